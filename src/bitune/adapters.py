@@ -1,0 +1,118 @@
+"""The two weight sets of a Bitune model ("causal" and "bidir") on one Hugging Face model.
+
+PEFT methods (LoRA, DoRA, IA3) keep both sets as named adapters of one PeftModel and switch the active one
+per pass without touching ``requires_grad`` (PEFT's ``set_adapter`` would freeze the inactive adapter and
+silently drop its gradient). Full fine-tuning keeps the model's own weights as the causal set and a second
+full copy, applied with ``torch.func.functional_call``, as the bidir set. This is the only module that
+touches PEFT internals.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .config import BituneConfig
+
+WEIGHT_SETS = ("causal", "bidir")
+
+
+def _peft_config(config: BituneConfig, model: nn.Module):
+    if config.method in ("lora", "dora"):
+        return LoraConfig(
+            r=config.rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=config.target_modules, use_dora=config.method == "dora", bias="none",
+        )
+    if config.target_modules == "all-linear":
+        return IA3Config()  # PEFT's per-architecture defaults (attention k/v and the MLP down projection)
+    return IA3Config(target_modules=config.target_modules, feedforward_modules=[])
+
+
+class WeightSets(nn.Module):
+    """Owns the base model and the weight sets a config asks for.
+
+    Args:
+        model: a Hugging Face causal LM (not yet wrapped by PEFT).
+        config: the Bitune config; ``config.weight_sets`` says which sets exist.
+    """
+
+    def __init__(self, model: nn.Module, config: BituneConfig):
+        super().__init__()
+        self.method = config.method
+        self.names = config.weight_sets
+        self.bidir = nn.ParameterDict()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        if not self.names or config.method == "full":
+            self.model = model
+            if config.method == "full" and self.names:
+                for p in model.parameters():
+                    p.requires_grad_(p.is_floating_point())
+                if "bidir" in self.names:
+                    for name, p in model.named_parameters():
+                        if p.is_floating_point():
+                            self.bidir[name.replace(".", "__")] = nn.Parameter(p.detach().clone())
+            return
+        if isinstance(model, PeftModel):
+            raise ValueError("wrap() expects a plain transformers model, not a PeftModel: "
+                             "Bitune adds its own adapters")
+        peft_config = _peft_config(config, model)
+        try:
+            self.model = get_peft_model(model, peft_config, adapter_name="causal")
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"PEFT cannot add {config.method} adapters to this model "
+                             f"({type(model).__name__}): {e}") from e
+        if "bidir" in self.names:
+            self.model.add_adapter("bidir", peft_config)
+        self.model.base_model.set_requires_grad(list(self.names), True)
+        self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._use_adapter("causal")
+
+    @property
+    def peft(self) -> bool:
+        return isinstance(self.model, PeftModel)
+
+    @property
+    def base(self) -> nn.Module:
+        """The underlying transformers model (with PEFT layers injected, if any)."""
+        return self.model.get_base_model() if self.peft else self.model
+
+    def _use_adapter(self, name: str) -> None:
+        for layer in self._tuner_layers:
+            layer._active_adapter = [name]
+
+    def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
+        """Trainable parameters of one weight set, by name (empty if the set does not exist)."""
+        if name not in self.names:
+            return {}
+        if self.method == "full":
+            if name == "bidir":
+                return {k.replace("__", "."): p for k, p in self.bidir.items()}
+            return {k: p for k, p in self.model.named_parameters() if p.is_floating_point()}
+        owned = set()
+        for layer in self._tuner_layers:
+            for attr in layer.adapter_layer_names:
+                store = getattr(layer, attr)
+                entry = store[name] if name in store else None
+                if isinstance(entry, nn.Parameter):
+                    owned.add(id(entry))
+                elif entry is not None:
+                    owned.update(id(p) for p in entry.parameters())
+        return {k: p for k, p in self.model.named_parameters() if id(p) in owned}
+
+    def call(self, name: str, **kwargs):
+        """Run the model with weight set ``name`` (``"causal"`` or ``"bidir"``)."""
+        if name not in WEIGHT_SETS:
+            raise ValueError(f"unknown weight set {name!r}; allowed: {WEIGHT_SETS}")
+        if name == "bidir" and self.method == "full":
+            params = {k.replace("__", "."): p for k, p in self.bidir.items()}
+            return torch.func.functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
+        if self.peft:
+            self._use_adapter(name if name in self.names else "causal")
+            try:
+                return self.model(**kwargs)
+            finally:
+                self._use_adapter("causal")
+        return self.model(**kwargs)

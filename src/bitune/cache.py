@@ -1,0 +1,89 @@
+"""Reading and building KV caches: the one place that touches transformers' Cache internals.
+
+A prompt pass fills a :class:`PromptCache`, which ends the forward as soon as the last layer has written its
+keys and values: only K/V reach the answer, so the last layer's attention output, MLP, final norm and lm_head
+would be wasted work. Two prompt caches are mixed layer by layer into the first one (paper eq. 6-7).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache
+
+
+class PassComplete(Exception):
+    """Raised inside a prompt pass once every layer's keys and values are in the cache."""
+
+
+class PromptCache(DynamicCache):
+    """A DynamicCache that can stop the forward right after the last layer's K/V update.
+
+    Args:
+        config: the model's text config (decides full vs sliding-window layers).
+        stop_after_layer: layer index after whose update the forward is cut short; None never stops.
+    """
+
+    def __init__(self, config, stop_after_layer: int | None = None):
+        super().__init__(config=config)
+        self.stop_after_layer = stop_after_layer
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.stop_after_layer:
+            raise PassComplete
+        return out
+
+
+def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer, each (B, n_kv_heads, T, head_dim)."""
+    return cache.layers[layer].keys, cache.layers[layer].values
+
+
+def num_layers(cache) -> int:
+    return len(cache.layers)
+
+
+def mix_into(cache_c, cache_b, mix) -> None:
+    """Replace every layer's K/V of ``cache_c`` by ``mix(layer, K_c, K_b, V_c, V_b)``; other state is kept."""
+    if num_layers(cache_c) != num_layers(cache_b):
+        raise ValueError("prompt caches have different numbers of layers")
+    for i, (lc, lb) in enumerate(zip(cache_c.layers, cache_b.layers)):
+        lc.keys, lc.values = mix(i, lc.keys, lb.keys, lc.values, lb.values)
+
+
+def split_rows(cache, sizes: list[int]) -> list:
+    """Split a cache along the batch dimension into independent caches (after one batched forward)."""
+    parts = []
+    start = 0
+    for size in sizes:
+        part = copy.copy(cache)
+        part.layers = [copy.copy(layer) for layer in cache.layers]
+        for layer in part.layers:
+            layer.keys = layer.keys[start:start + size]
+            layer.values = layer.values[start:start + size]
+        parts.append(part)
+        start += size
+    return parts
+
+
+def select_rows(cache, index: torch.Tensor):
+    """A new cache whose row r is row ``index[r]`` of ``cache``; the original is left untouched.
+
+    Args:
+        cache: a filled cache with batch size B.
+        index: (B',) LongTensor of rows to take (repeats allowed).
+    """
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in out.layers:
+        layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
+        layer.values = layer.values.index_select(0, index.to(layer.values.device))
+    return out
+
+
+def detach_stop(cache) -> None:
+    """Turn a prompt cache into an ordinary cache that the answer pass can extend."""
+    if isinstance(cache, PromptCache):
+        cache.stop_after_layer = None

@@ -1,0 +1,128 @@
+"""Typed settings of a Bitune model: which variant of the method, which weights it trains and how."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+VARIANTS: dict[str, str] = {
+    "bitune": "causal + bidirectional prompt passes with separate weights, mixed per layer (the method)",
+    "naive_bidir": "one weight set, bidirectional prompt pass, no mixing",
+    "no_mixing": "bidirectional prompt pass with the bidir weights only; causal weights for the answer",
+    "only_causal": "two causal prompt passes with separate weights, mixed",
+    "shared_weights": "one weight set for both prompt passes (causal + bidirectional), mixed",
+    "anti_causal": "second prompt pass with the transposed causal mask, separate weights, mixed",
+    "lora": "baseline: ordinary single-pass causal fine-tuning on prompt + answer",
+    "pretrained": "baseline: the base model, nothing trained",
+}
+METHODS: dict[str, str] = {
+    "lora": "LoRA adapters (PEFT)",
+    "dora": "weight-decomposed LoRA (PEFT, use_dora=True)",
+    "ia3": "IA3 activation scaling (PEFT)",
+    "full": "full fine-tuning; Bitune variants keep a second full copy for the bidirectional pass",
+}
+PASS_MASKS = ("causal", "bidirectional", "anti_causal")
+
+
+@dataclass
+class BituneConfig:
+    """How a pretrained causal LM is turned into a Bitune model.
+
+    Every field is validated on construction; an invalid value raises a ``ValueError`` that
+    names the field and the allowed values.
+    """
+
+    variant: str = "bitune"
+    """Which method to run: one of ``VARIANTS`` (the paper's method, its ablations, or a baseline)."""
+    method: str = "lora"
+    """How weights are trained: one of ``METHODS``."""
+    rank: int = 8
+    """LoRA / DoRA rank (16 gives the paper's LoRA16 baseline)."""
+    lora_alpha: float = 1.0
+    """LoRA scaling numerator; the authors use 1 (scaling 1/rank)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | str = "all-linear"
+    """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a list of names."""
+    theta_init: float = 0.01
+    """Initial value of every mixing parameter theta; the mixing ratio a = |theta| / (theta_init + |theta|) starts at 0.5."""
+    base_model: str | None = None
+    """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
+
+    def __post_init__(self) -> None:
+        _check_choice("variant", self.variant, VARIANTS)
+        _check_choice("method", self.method, METHODS)
+        if self.variant == "pretrained" and self.method != "lora":
+            raise ValueError("BituneConfig.method: the 'pretrained' variant trains nothing; leave method='lora'")
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"BituneConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"BituneConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if not self.theta_init > 0:
+            raise ValueError(f"BituneConfig.theta_init must be > 0, got {self.theta_init!r}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError("BituneConfig.target_modules must be 'all-linear' or a list of module names, "
+                             f"got {self.target_modules!r}")
+        if not isinstance(self.target_modules, str):
+            self.target_modules = list(self.target_modules)
+            if not self.target_modules:
+                raise ValueError("BituneConfig.target_modules is empty")
+
+    # What the variant does, derived rather than stored.
+    @property
+    def passes(self) -> tuple[tuple[str, str], ...]:
+        """The prompt passes as ``(weights, mask)`` pairs; weights are ``"causal"`` or ``"bidir"``."""
+        return {
+            "bitune": (("causal", "causal"), ("bidir", "bidirectional")),
+            "naive_bidir": (("causal", "bidirectional"),),
+            "no_mixing": (("bidir", "bidirectional"),),
+            "only_causal": (("causal", "causal"), ("bidir", "causal")),
+            "shared_weights": (("causal", "causal"), ("causal", "bidirectional")),
+            "anti_causal": (("causal", "causal"), ("bidir", "anti_causal")),
+            "lora": (("causal", "causal"),),
+            "pretrained": (("causal", "causal"),),
+        }[self.variant]
+
+    @property
+    def mixes(self) -> bool:
+        """Whether two prompt passes are mixed with learnable coefficients."""
+        return len(self.passes) == 2
+
+    @property
+    def weight_sets(self) -> tuple[str, ...]:
+        """The trained weight sets (empty for ``pretrained``)."""
+        if self.variant == "pretrained":
+            return ()
+        return tuple(dict.fromkeys(["causal", *(w for w, _ in self.passes)]))
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether prompt and answer form one ordinary causal sequence (the baselines)."""
+        return self.variant in ("lora", "pretrained")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BituneConfig":
+        """Build from a dict, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"BituneConfig: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}")
+
+
+__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS"]

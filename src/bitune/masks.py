@@ -1,0 +1,94 @@
+"""Attention masks of the prompt passes: the one place that makes a pass causal, bidirectional or anti-causal.
+
+A prompt pass hands the model a prepared 4D mask (boolean for sdpa, additive for eager), which every
+transformers 5.x architecture uses as-is (paper eq. 4 and 5). Models whose
+config lists sliding-window layers get a per-layer-type dict, the form their forward accepts for hybrid masks.
+Padding keys are always blocked; a padding query may see itself only, so no softmax row is empty (no NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import PASS_MASKS
+
+
+def position_ids(attention_mask: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions that count real tokens only, so left padding does not shift them.
+
+    Args:
+        attention_mask: (B, T) 1 for real tokens.
+        offset: (B,) positions already consumed (real tokens in the cache), or None.
+
+    Returns:
+        (B, T) LongTensor; padding positions get 0 (they are masked anyway).
+    """
+    pos = attention_mask.long().cumsum(-1) - 1  # (B, T)
+    if offset is not None:
+        pos = pos + offset[:, None]
+    return pos.clamp(min=0) * attention_mask.long()
+
+
+def _allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torch.Tensor:
+    """(B, 1, T, T) boolean: query row j may attend to key column i."""
+    if kind not in PASS_MASKS:
+        raise ValueError(f"unknown attention kind {kind!r}; allowed: {PASS_MASKS}")
+    T = attention_mask.shape[-1]
+    q = torch.arange(T, device=attention_mask.device)[:, None]  # (T, 1)
+    k = torch.arange(T, device=attention_mask.device)[None, :]  # (1, T)
+    if kind == "causal":
+        shape = k <= q
+        dist = q - k
+    elif kind == "anti_causal":
+        shape = k >= q
+        dist = k - q
+    else:
+        shape = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device)
+        dist = (q - k).abs()
+    if window is not None:
+        shape = shape & (dist < window)  # (T, T)
+    keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+    eye = torch.eye(T, dtype=torch.bool, device=attention_mask.device)
+    return (shape[None, None] & keys) | eye  # (B, 1, T, T)
+
+
+def pass_mask(
+    attention_mask: torch.Tensor, kind: str, dtype: torch.dtype, config, attn_implementation: str = "sdpa"
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask to pass as ``attention_mask`` for one prompt pass.
+
+    Args:
+        attention_mask: (B, T) 1 for real tokens (left padding).
+        kind: ``"causal"``, ``"bidirectional"`` or ``"anti_causal"``.
+        dtype: the model's compute dtype (additive masks for eager attention must match it).
+        config: the model's text config; its ``layer_types`` / ``sliding_window`` decide the form.
+        attn_implementation: ``"eager"`` gets an additive float mask, sdpa/flex a boolean one (True = attend).
+
+    Returns:
+        (B, 1, T, T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
+    """
+    if attn_implementation not in ("eager", "sdpa", "flex_attention"):
+        raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
+                         "load the model with attn_implementation='sdpa' or 'eager'")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+
+    def build(window: int | None) -> torch.Tensor:
+        allowed = _allowed(attention_mask, kind, window)  # (B, 1, T, T)
+        if attn_implementation != "eager":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+
+    if "sliding_attention" in layer_types:
+        window = getattr(config, "sliding_window", None)
+        return {"full_attention": build(None), "sliding_attention": build(window)}
+    if not layer_types and getattr(config, "sliding_window", None):
+        return build(config.sliding_window)  # single-type sliding models (Mistral)
+    return build(None)
+
+
+def concat_masks(masks: list) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Stack the masks of several row groups along the batch dimension (for one batched forward)."""
+    if isinstance(masks[0], dict):
+        return {key: torch.cat([m[key] for m in masks]) for key in masks[0]}
+    return torch.cat(masks)

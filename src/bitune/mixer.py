@@ -1,0 +1,45 @@
+"""Learnable mixing of causal and bidirectional prompt features (paper eq. 6-7).
+
+    K = K_c * (1 - a_k) + K_b * a_k,    V = V_c * (1 - a_v) + V_b * a_v,
+    a = |theta| / (theta_init + |theta|),
+
+with one theta_k and one theta_v per layer, initialised to theta_init (so a = 0.5 at the start). The mixing
+always runs in float32, whatever the model dtype, and the result is cast back to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Mixer(nn.Module):
+    """Per-layer mixing coefficients.
+
+    Args:
+        num_layers: number of transformer blocks L.
+        theta_init: initial value of every theta (default 0.01).
+    """
+
+    def __init__(self, num_layers: int, theta_init: float = 0.01):
+        super().__init__()
+        self.theta_init = theta_init
+        self.theta_k = nn.Parameter(torch.full((num_layers,), theta_init, dtype=torch.float32))  # (L,)
+        self.theta_v = nn.Parameter(torch.full((num_layers,), theta_init, dtype=torch.float32))  # (L,)
+
+    def ratio(self, theta: torch.Tensor) -> torch.Tensor:
+        """a = |theta| / (theta_init + |theta|), float32."""
+        theta = theta.float().abs()
+        return theta / (self.theta_init + theta)
+
+    def ratios(self) -> dict[str, torch.Tensor]:
+        """Current a_k and a_v per layer, each (L,) float32, detached."""
+        return {"k": self.ratio(self.theta_k).detach(), "v": self.ratio(self.theta_v).detach()}
+
+    def forward(self, layer: int, k_c, k_b, v_c, v_b) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix one layer's features; all tensors (B, n_kv_heads, T, head_dim); returns (K, V) in the input dtype."""
+        a_k = self.ratio(self.theta_k[layer])  # () float32
+        a_v = self.ratio(self.theta_v[layer])  # () float32
+        k = k_c.float() * (1 - a_k) + k_b.float() * a_k  # (B, nh, T, hs) float32
+        v = v_c.float() * (1 - a_v) + v_b.float() * a_v  # (B, nh, T, hs) float32
+        return k.to(k_c.dtype), v.to(v_c.dtype)

@@ -1,0 +1,418 @@
+"""Bitune (paper section 2): read the prompt twice, mix the two KV caches, answer causally on top.
+
+For a batch of left-padded prompts x_1..x_P and right-padded answers y_1..y_A:
+
+1. prompt passes over x_1..x_{P-1}: pass A causal with the causal weights, pass B bidirectional with the bidir
+   weights (eq. 1-5; the ablations change masks or weights, see ``BituneConfig.passes``);
+2. per layer, K = K_c (1 - a_k) + K_b a_k and V likewise (eq. 6-7, :mod:`bitune.mixer`);
+3. answer pass over x_P, y_1..y_{A-1}, causal, causal weights, on the mixed cache, positions continuing from
+   the prompt; the loss is the cross-entropy of y_1..y_A (eos included), padding excluded.
+
+Masks live in :mod:`bitune.masks`, caches in :mod:`bitune.cache`, weight sets in :mod:`bitune.adapters`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from . import cache as kv
+from .adapters import WeightSets
+from .config import BituneConfig
+from .masks import pass_mask, position_ids
+from .mixer import Mixer
+
+CONFIG_FILE = "bitune_config.json"
+MIXER_FILE = "mixer.safetensors"
+BIDIR_FULL_FILE = "model.safetensors"
+
+
+@dataclass
+class BituneOutput:
+    """Result of a forward.
+
+    Attributes:
+        loss: mean cross-entropy over all real answer tokens of the batch (scalar).
+        logits: (B, A, V) ``logits[:, t]`` predicts ``answer_ids[:, t]``.
+        token_logprobs: (B, A) log-probability of each answer token (0 on padding).
+        example_loss: (B,) mean cross-entropy per example.
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    token_logprobs: torch.Tensor
+    example_loss: torch.Tensor
+
+
+@dataclass
+class Prefill:
+    """A prompt read by the prompt passes, ready for an answer pass.
+
+    Attributes:
+        cache: KV cache of the prompt without its last token (mixed where the variant mixes).
+        mask: (B, P-1) attention mask of the cached tokens.
+        last_token: (B, 1) the prompt's last token, which opens the answer pass.
+    """
+
+    cache: object
+    mask: torch.Tensor
+    last_token: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> "Prefill":
+        """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
+        return Prefill(kv.select_rows(self.cache, index), self.mask[index], self.last_token[index])
+
+
+class BituneModel(nn.Module):
+    """A pretrained causal LM turned into a Bitune model. Build with :meth:`wrap` or :meth:`from_pretrained`."""
+
+    def __init__(self, model: nn.Module, config: BituneConfig):
+        super().__init__()
+        _check_architecture(model)
+        self.config = config
+        self.weights = WeightSets(model, config)
+        self.text_config = model.config.get_text_config()
+        self.num_layers = self.text_config.num_hidden_layers
+        self.mixer = Mixer(self.num_layers, config.theta_init) if config.mixes else None
+        self._probe()
+
+    @classmethod
+    def wrap(cls, model: nn.Module, config: BituneConfig | None = None) -> "BituneModel":
+        """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``); the default config is Bitune + LoRA r8."""
+        return cls(model, config or BituneConfig())
+
+    # ----------------------------------------------------------------------------------------------- parameters
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Every parameter this variant trains, by name: its weight sets and the mixing thetas."""
+        params = {}
+        for name in self.config.weight_sets:
+            params.update({f"{name}:{k}": p for k, p in self.weights.parameters_of(name).items() if p.requires_grad})
+        if self.mixer is not None:
+            params.update({f"mixer:{k}": p for k, p in self.mixer.named_parameters()})
+        return params
+
+    def mixing_ratios(self) -> dict[str, torch.Tensor]:
+        """Per-layer a_k and a_v, each (L,) float32; empty for variants without mixing."""
+        return self.mixer.ratios() if self.mixer is not None else {}
+
+    def _probe(self) -> None:
+        """One tiny prompt pass that checks the architecture and freezes bidir weights that cannot get a gradient.
+
+        Only the prompt passes' keys and values reach the answer, so in the last layer everything after K/V
+        (q, o, MLP) is unused by the bidir weights: they are frozen, found by one backward from the last
+        layer's K/V, which works for any architecture.
+        """
+        weights = "bidir" if "bidir" in self.config.weight_sets else "causal"
+        device = next(self.weights.base.parameters()).device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        mask = torch.ones(1, 2, dtype=torch.long, device=device)
+        with torch.enable_grad():
+            try:
+                cache = self._prompt_pass(ids, mask, weights, "bidirectional")
+                k, v = kv.layer_kv(cache, self.num_layers - 1)
+            except (AttributeError, IndexError, TypeError) as e:
+                raise ValueError(f"{type(self.weights.base).__name__}: no per-layer attention KV cache "
+                                 f"({e}); Bitune cannot mix its prompt features") from e
+            if weights != "bidir":
+                return
+            params = self.weights.parameters_of("bidir")
+            grads = torch.autograd.grad(k.sum() + v.sum(), list(params.values()), allow_unused=True)
+        for p, g in zip(params.values(), grads):
+            if g is None:
+                p.requires_grad_(False)
+
+    # ----------------------------------------------------------------------------------------------- passes
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.weights.base.parameters()).dtype
+
+    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights: str, kind: str):
+        """One pass over the prompt; returns its KV cache (B, n_kv, T, hs per layer)."""
+        if getattr(self.weights.base, 'is_activation_checkpointing', False) and self.training:
+            raise ValueError("gradient checkpointing drops the prompt cache in training; disable it for Bitune")
+        cache = kv.PromptCache(self.text_config, stop_after_layer=self.num_layers - 1)
+        attn = pass_mask(mask, kind, self._dtype, self.text_config, self.weights.base.config._attn_implementation)
+        try:
+            self.weights.call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask),
+                              cache=cache, use_cache=True, logits_to_keep=1)
+        except kv.PassComplete:
+            pass
+        kv.detach_stop(cache)
+        return cache
+
+    def prompt_caches(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list:
+        """The unmixed caches of this variant's prompt passes over the prompt without its last token."""
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
+        return [self._prompt_pass(ids, mask, weights, kind) for weights, kind in self.config.passes]
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prefill:
+        """Read a batch of left-padded prompts: prompt passes, then mixing.
+
+        Args:
+            prompt_ids: (B, P) left-padded token ids, every prompt at least 2 tokens.
+            prompt_mask: (B, P) 1 for real tokens.
+        """
+        _check_prompt(prompt_ids, prompt_mask)
+        caches = self.prompt_caches(prompt_ids, prompt_mask)
+        if self.mixer is not None:
+            kv.mix_into(caches[0], caches[1], self.mixer)
+        return Prefill(caches[0], prompt_mask[:, :-1], prompt_ids[:, -1:])
+
+    def answer_logits(self, prefill: Prefill, answer_ids: torch.Tensor, answer_mask: torch.Tensor,
+                      reuse: bool = True) -> torch.Tensor:
+        """Causal answer pass on a prefill; returns (B, A, V) logits aligned with ``answer_ids``.
+
+        Args:
+            reuse: keep ``prefill`` intact (the pass extends a copy), so it can score more answers.
+        """
+        cache = kv.select_rows(prefill.cache, torch.arange(answer_ids.shape[0])) if reuse else prefill.cache
+        ids = torch.cat([prefill.last_token, answer_ids[:, :-1]], dim=1)  # (B, A)
+        step_mask = torch.cat([torch.ones_like(prefill.last_token), answer_mask[:, :-1]], dim=1)  # (B, A)
+        full_mask = torch.cat([prefill.mask, step_mask], dim=1)  # (B, P-1+A)
+        pos = position_ids(full_mask)[:, -ids.shape[1]:]  # (B, A)
+        out = self.weights.call("causal", input_ids=ids, attention_mask=full_mask, position_ids=pos,
+                                cache=cache, use_cache=True)
+        return out.logits
+
+    def forward(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, answer_ids: torch.Tensor,
+                answer_mask: torch.Tensor) -> BituneOutput:
+        """Loss and logits of the answers given the prompts.
+
+        Args:
+            prompt_ids: (B, P) left-padded prompt ids (at least 2 real tokens each).
+            prompt_mask: (B, P) 1 for real prompt tokens.
+            answer_ids: (B, A) right-padded answer ids, eos included (at least 1 real token each).
+            answer_mask: (B, A) 1 for real answer tokens.
+        """
+        _check_prompt(prompt_ids, prompt_mask)
+        _check_answer(prompt_ids, answer_ids, answer_mask)
+        if self.config.single_pass:
+            logits = self._single_pass_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
+        else:
+            logits = self.answer_logits(self.prefill(prompt_ids, prompt_mask), answer_ids, answer_mask, reuse=False)
+        return _answer_loss(logits, answer_ids, answer_mask)
+
+    def _single_pass_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
+        """The baselines: one causal pass over prompt + answer, logits of the answer positions only."""
+        ids = torch.cat([prompt_ids, answer_ids], dim=1)  # (B, P+A)
+        mask = torch.cat([prompt_mask, answer_mask], dim=1)  # (B, P+A)
+        A = answer_ids.shape[1]
+        out = self.weights.call("causal", input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                                use_cache=False, logits_to_keep=A + 1)
+        return out.logits[:, :-1]  # (B, A, V)
+
+    # ----------------------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int = 128,
+                 do_sample: bool = False, tokenizer=None, stop_strings: list[str] | None = None,
+                 **generate_kwargs) -> torch.Tensor:
+        """Decode answers from the mixed prompt cache with transformers' ``generate``.
+
+        The prompt passes prefill the cache once; ``generate`` then feeds the prompt's last token and decodes
+        token by token with the causal weights, exactly as a plain model does. Greedy by default; sampling
+        options (``temperature``, ``top_p``, ``top_k``, ...), ``streamer`` and ``eos_token_id`` are passed on.
+
+        Args:
+            prompt_ids: (B, P) left-padded prompts.
+            prompt_mask: (B, P) 1 for real tokens.
+            max_new_tokens: upper bound on generated tokens.
+            tokenizer: needed for ``stop_strings``.
+            stop_strings: stop a row once its text ends with one of these.
+
+        Returns:
+            (B, N) the generated tokens only, padded with the pad token after a row stops.
+        """
+        if stop_strings and tokenizer is None:
+            raise ValueError("generate(stop_strings=...) needs tokenizer=")
+        pre = self.prefill(prompt_ids, prompt_mask)
+        base = self.weights.base
+        if stop_strings:
+            generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
+        if self.weights.peft:
+            self.weights._use_adapter("causal")
+        out = base.generate(input_ids=prompt_ids, attention_mask=prompt_mask, cache=pre.cache,
+                            max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
+        return out[:, prompt_ids.shape[1]:]
+
+    # ----------------------------------------------------------------------------------------------- persistence
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON).
+
+        Written into a temporary folder next to ``directory`` and renamed into place, so an existing
+        checkpoint is never left half-overwritten.
+        """
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            (tmp / CONFIG_FILE).write_text(self.config.to_json())
+            if self.mixer is not None:
+                save_file({k: p.detach().cpu().contiguous() for k, p in self.mixer.state_dict().items()},
+                          str(tmp / MIXER_FILE))
+            if self.weights.peft:
+                self.weights.model.save_pretrained(str(tmp), selected_adapters=list(self.config.weight_sets))
+            elif self.config.method == "full" and self.config.weight_sets:
+                self.weights.model.save_pretrained(str(tmp / "causal"), max_shard_size="1000GB")
+                if "bidir" in self.config.weight_sets:
+                    (tmp / "bidir").mkdir()
+                    save_file({k: p.detach().cpu().contiguous() for k, p in self.weights.bidir.items()},
+                              str(tmp / "bidir" / BIDIR_FULL_FILE))
+            _replace_dir(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
+                        **load_kwargs) -> "BituneModel":
+        """Load a checkpoint written by :meth:`save_pretrained`.
+
+        Args:
+            directory: the checkpoint folder.
+            base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
+            load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
+        """
+        directory = Path(directory)
+        config = read_config(directory)
+        if base is None or isinstance(base, str):
+            from .hub import load_model
+            name = base or config.base_model
+            if not name:
+                raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
+            base, _ = load_model(name, **load_kwargs)
+        model = cls(base, config)
+        model.load_weights(directory)
+        return model
+
+    def load_weights(self, directory: str | os.PathLike) -> None:
+        """Load trained weights from a checkpoint folder into this model, strictly (every tensor must match)."""
+        directory = Path(directory)
+        if self.mixer is not None:
+            _load_strict(self.mixer, _read_safetensors(directory / MIXER_FILE), directory / MIXER_FILE)
+        for name in self.config.weight_sets:
+            params = self.weights.parameters_of(name)
+            if self.weights.peft:
+                from peft.utils import set_peft_model_state_dict
+                path = directory / name / "adapter_model.safetensors"
+                state = _read_safetensors(path)
+                before = {k: p.detach().clone() for k, p in params.items()}
+                result = set_peft_model_state_dict(self.weights.model, state, adapter_name=name)
+                if result.unexpected_keys:
+                    raise ValueError(f"{path}: unexpected tensors {result.unexpected_keys[:3]}: "
+                                     "the checkpoint does not match this model/config")
+                n_expected = sum(1 for k in before)
+                if len(state) != n_expected:
+                    raise ValueError(f"{path}: holds {len(state)} tensors, this model expects {n_expected}: "
+                                     "the checkpoint does not match this model/config")
+            elif name == "causal":
+                path = directory / "causal" / BIDIR_FULL_FILE
+                state = _read_safetensors(path)
+                missing, unexpected = self.weights.model.load_state_dict(state, strict=False)
+                if unexpected or [k for k in missing if k in params]:
+                    raise ValueError(f"{path}: does not match this model (missing {missing[:3]}, "
+                                     f"unexpected {unexpected[:3]})")
+            else:
+                path = directory / "bidir" / BIDIR_FULL_FILE
+                _load_strict_dict(self.weights.bidir, _read_safetensors(path), path)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def read_config(directory: Path) -> BituneConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing")
+    try:
+        return BituneConfig.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ValueError(f"checkpoint file missing: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
+
+
+def _load_strict(module: nn.Module, state: dict, path: Path) -> None:
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not match this model: {e}") from e
+
+
+def _load_strict_dict(params: nn.ParameterDict, state: dict, path: Path) -> None:
+    if set(state) != set(params.keys()):
+        raise ValueError(f"{path} does not match this model: different tensor names")
+    with torch.no_grad():
+        for k, p in params.items():
+            if state[k].shape != p.shape:
+                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state[k])
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Atomically move ``src`` to ``dst``, replacing an existing ``dst`` only once ``src`` is complete."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def _answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> BituneOutput:
+    m = answer_mask.to(torch.float32)  # (B, A)
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids.unsqueeze(-1)).squeeze(-1) * m  # (B, A)
+    loss = -logp.sum() / m.sum()
+    return BituneOutput(loss=loss, logits=logits, token_logprobs=logp, example_loss=-logp.sum(1) / m.sum(1))
+
+
+def _check_architecture(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} is not a transformers causal LM (no config / generate)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Bitune needs a decoder-only LM")
+    text = config.get_text_config()
+    if not getattr(text, "num_hidden_layers", None):
+        raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers; unsupported architecture")
+
+
+def _check_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
+                         "must both be (batch, prompt_len)")
+    if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] < 2:
+        raise ValueError(f"prompts must hold at least 2 tokens, got shape {tuple(prompt_ids.shape)}")
+    if (prompt_mask.diff(dim=1) < 0).any() or not prompt_mask[:, -1].bool().all():
+        raise ValueError("prompts must be left-padded: prompt_mask must be 0...0 1...1 in every row")
+    if (prompt_mask.sum(1) < 2).any():
+        rows = (prompt_mask.sum(1) < 2).nonzero().flatten().tolist()
+        raise ValueError(f"prompt rows {rows} have fewer than 2 real tokens (the last one opens the answer)")
+
+
+def _check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> None:
+    if answer_ids.dim() != 2 or answer_mask.shape != answer_ids.shape:
+        raise ValueError(f"answer_ids {tuple(answer_ids.shape)} and answer_mask {tuple(answer_mask.shape)} "
+                         "must both be (batch, answer_len)")
+    if answer_ids.shape[0] != prompt_ids.shape[0]:
+        raise ValueError(f"batch sizes differ: {prompt_ids.shape[0]} prompts, {answer_ids.shape[0]} answers")
+    if answer_ids.shape[1] == 0 or not answer_mask[:, 0].bool().all():
+        raise ValueError("every answer needs at least one real token (right-padded answer_mask)")
+    if (answer_mask.diff(dim=1) > 0).any():
+        raise ValueError("answers must be right-padded: answer_mask must be 1...1 0...0 in every row")
