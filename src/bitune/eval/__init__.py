@@ -1,0 +1,1 @@
+"""Evaluation: the ``bitune`` model type of lm-evaluation-harness, offline tasks, the eval/report/sweep verbs."""

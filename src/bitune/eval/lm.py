@@ -1,0 +1,288 @@
+"""The ``bitune`` model type of lm-evaluation-harness.
+
+lm-eval hands a :class:`~lm_eval.api.model.TemplateLM` its (context, continuation) requests already split into
+token lists, which is exactly where a Bitune model differs from a plain causal LM: the context is the prompt
+(read by the prompt passes and mixed), the continuation is the answer (scored by the causal answer pass).
+
+Scoring: requests are grouped by context; each distinct context is prefilled ONCE (batched over contexts,
+left-padded) and all of its continuations are scored from copies of that cache (:meth:`Prefill.select`), in
+batches. For the baselines (``pretrained``, ``lora``) this equals lm-eval's ``hf`` model on the same weights.
+
+Edge cases, defined so that results stay sound:
+
+* Context of one token (lm-eval uses the prefix token for an empty context; rolling windows use one token of
+  context): the prompt passes have nothing to read (they see the prompt without its last token), so the prefill
+  is empty and the answer pass, with the causal weights, is one plain causal forward over context +
+  continuation. No token is invented (prepending BOS would change the baselines' scores against ``hf``).
+* ``loglikelihood_rolling``: a document has no prompt, so it is scored with the causal weights alone, in lm-eval's
+  disjoint rolling windows of ``max_length`` tokens with one token of context (the case above).
+* Too long: like ``hf``, the context is truncated from the left so context + continuation fit ``max_length + 1``.
+
+Use it from lm-eval's own CLI (lm-eval 0.4.13 does not load entry points for models, so the class has to be
+imported before the model is looked up): ``python -m bitune.eval.harness --model bitune --model_args
+checkpoint=DIR --tasks bitune_piqa --include_path $(python -m bitune.eval.tasks)``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from ..errors import BituneError
+from ..model import BituneModel
+
+Request = tuple[tuple[str, str], list[int], list[int]]
+
+
+def load_for_eval(checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
+                  dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Load a Bitune checkpoint (or a base model as the ``pretrained`` variant) and its tokenizer.
+
+    Args:
+        checkpoint: a folder written by ``BituneModel.save_pretrained``.
+        pretrained: a base model name or folder, evaluated as the ``pretrained`` variant.
+        base: with ``checkpoint``, the base model to use instead of the one the checkpoint records.
+        dtype: parameter dtype name. Default float32.
+        device: torch device. Default cpu.
+
+    Returns:
+        ``(BituneModel, tokenizer)``, the model in eval mode on ``device``.
+    """
+    from ..config import BituneConfig
+    from ..hub import load_model
+    from ..model import read_config
+
+    if (checkpoint is None) == (pretrained is None):
+        raise BituneError("give exactly one of checkpoint=DIR (a Bitune checkpoint) or pretrained=NAME (a base model)")
+    if checkpoint is not None:
+        config = read_config(Path(checkpoint))
+        name = base or config.base_model
+        if not name:
+            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; pass base=NAME")
+        hf_model, tokenizer = load_model(name, dtype=dtype)
+        model = BituneModel.from_pretrained(checkpoint, base=hf_model)
+    else:
+        hf_model, tokenizer = load_model(pretrained, dtype=dtype)
+        model = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=pretrained))
+    return model.to(device).eval(), tokenizer
+
+
+@register_model("bitune")
+class BituneLM(TemplateLM):
+    """lm-eval model type ``bitune``.
+
+    model_args: ``checkpoint=DIR`` (a Bitune checkpoint, any variant) or ``pretrained=NAME`` (a base model run as
+    the ``pretrained`` variant); optional ``base=NAME``, ``batch_size`` (rows per forward, default 8),
+    ``device`` (default cpu), ``dtype`` (default float32), ``max_length`` (default: the model's
+    ``max_position_embeddings``), ``max_gen_toks`` (default 256). In Python, pass ``model=`` (a BituneModel) and
+    ``tokenizer=`` instead.
+    """
+
+    def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
+                 model: BituneModel | None = None, tokenizer=None, batch_size: int | str = 8,
+                 device: str | None = None, dtype: str = "float32", max_length: int | None = None,
+                 max_gen_toks: int = 256, **unused):
+        super().__init__()
+        device = device or "cpu"
+        if model is None:
+            model, tokenizer = load_for_eval(checkpoint, pretrained, base, dtype, device)
+        elif tokenizer is None:
+            raise BituneError("BituneLM(model=...) also needs tokenizer=")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self._device = next(model.parameters()).device
+        if str(batch_size).startswith("auto"):
+            raise BituneError("batch_size=auto is not supported by the bitune model type; give a number")
+        self._batch_size = int(batch_size)
+        if self._batch_size < 1:
+            raise BituneError(f"batch_size must be >= 1, got {batch_size}")
+        self._max_length = int(max_length) if max_length else model.text_config.max_position_embeddings
+        self._max_gen_toks = int(max_gen_toks)
+        pad = tokenizer.pad_token_id
+        self._pad = pad if pad is not None else self.eot_token_id
+
+    # ------------------------------------------------------------------------------------------- lm-eval API
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Like ``hf``: BOS if the tokenizer has one, else EOS."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """Tokenize as lm-eval's ``hf`` model does: special tokens by default, none if ``string`` starts with BOS."""
+        kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            kw["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **kw)
+
+    def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def get_model_info(self) -> dict:
+        return {"bitune_config": self.model.config.to_dict()}
+
+    # ------------------------------------------------------------------------------------------- scoring
+    @torch.no_grad()
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False,
+                              **kwargs) -> list[tuple[float, bool]]:
+        """(sum of log-probabilities, is-greedy) of every continuation, in request order."""
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        conts: list[list[int]] = []
+        for i, (_, ctx, cont) in enumerate(requests):
+            ctx, cont = self._fit(ctx, cont)
+            groups[tuple(ctx)].append(i)
+            conts.append(cont)
+        contexts = sorted(groups, key=len, reverse=True)  # similar lengths share a batch: less padding
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="bitune loglikelihood")
+        for start in range(0, len(contexts), self.batch_size):
+            chunk = contexts[start:start + self.batch_size]
+            rows = [(c, i) for c, ctx in enumerate(chunk) for i in groups[ctx]]  # (context in chunk, request)
+            long_ = [c for c, ctx in enumerate(chunk) if len(ctx) >= 2]
+            prefill = self.model.prefill(*self._left_pad([list(chunk[c]) for c in long_])) if long_ else None
+            slot = {c: j for j, c in enumerate(long_)}
+            for r in range(0, len(rows), self.batch_size):
+                part = rows[r:r + self.batch_size]
+                short = [(c, i) for c, i in part if c not in slot]
+                full = [(c, i) for c, i in part if c in slot]
+                if full:
+                    index = torch.tensor([slot[c] for c, _ in full], device=self.device)
+                    ids, mask = self._right_pad([conts[i] for _, i in full])
+                    logits = self.model.answer_logits(prefill.select(index), ids, mask, reuse=False)  # (b, A, V)
+                    self._collect(results, [i for _, i in full], logits, ids, mask)
+                if short:
+                    self._score_causal(results, [(chunk[c], i) for c, i in short], conts)
+                pbar.update(len(part))
+        pbar.close()
+        return results
+
+    def _score_causal(self, results, items, conts) -> None:
+        """One-token contexts: the prefill is empty, so the answer pass is a plain causal forward (causal weights)."""
+        ctx_ids = torch.tensor([list(ctx) for ctx, _ in items], device=self.device)  # (b, 1)
+        ids, mask = self._right_pad([conts[i] for _, i in items])
+        logits = self.model._single_pass_logits(ctx_ids, torch.ones_like(ctx_ids), ids, mask)  # (b, A, V)
+        self._collect(results, [i for _, i in items], logits, ids, mask)
+
+    @staticmethod
+    def _collect(results, request_ids, logits, ids, mask) -> None:
+        logp = F.log_softmax(logits.float(), dim=-1)  # (b, A, V)
+        token_logp = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask  # (b, A)
+        greedy = ((logp.argmax(-1) == ids) | (mask == 0)).all(dim=1)  # (b,)
+        for k, i in enumerate(request_ids):
+            results[i] = (float(token_logp[k].sum()), bool(greedy[k]))
+
+    def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
+        """Left-truncate the context like ``hf``: context + continuation keep at most ``max_length + 1`` tokens."""
+        if not cont:
+            raise BituneError("lm-eval sent an empty continuation; nothing to score")
+        if len(cont) > self.max_length:
+            raise BituneError(f"continuation of {len(cont)} tokens exceeds max_length={self.max_length}")
+        whole = (ctx + cont)[-(self.max_length + 1):]
+        return whole[:len(whole) - len(cont)], cont
+
+    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) left-padded ids and mask."""
+        T = max(len(s) for s in seqs)
+        ids = torch.tensor([[self._pad] * (T - len(s)) + s for s in seqs], device=self.device)
+        mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs], device=self.device)
+        return ids, mask
+
+    def _right_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) right-padded ids and mask."""
+        T = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [self._pad] * (T - len(s)) for s in seqs], device=self.device)
+        mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=self.device)
+        return ids, mask
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Log-likelihood of whole documents with the causal weights (lm-eval's disjoint rolling windows)."""
+        windows, owner = [], []
+        for n, (string,) in enumerate(req.args for req in requests):
+            for w in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, *w))
+                owner.append(n)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for n, (logp, _) in zip(owner, scores):
+            totals[n] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled) generation from the mixed prompt cache, cut at the first stop string."""
+        by_kwargs: dict[str, list[int]] = defaultdict(list)
+        args = [req.args for req in requests]
+        for i, (_, gen_kwargs) in enumerate(args):
+            by_kwargs[repr(sorted(gen_kwargs.items()))].append(i)
+        out: list[str | None] = [None] * len(requests)
+        eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="bitune generate_until")
+        for idx in by_kwargs.values():
+            kwargs = normalize_gen_kwargs(dict(args[idx[0]][1]), self._max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = kwargs.pop("max_gen_toks")
+            if not kwargs.get("do_sample"):
+                kwargs.pop("temperature", None)
+            max_ctx = self.max_length - max_gen
+            if max_ctx < 2:
+                raise BituneError(f"max_gen_toks={max_gen} leaves no room for a prompt in max_length={self.max_length}")
+            encoded = {i: self.tok_encode(args[i][0])[-max_ctx:] for i in idx}
+            idx = sorted(idx, key=lambda i: -len(encoded[i]))
+            for start in range(0, len(idx), self.batch_size):
+                part = idx[start:start + self.batch_size]
+                tokens = self._generate([encoded[i] for i in part], until, max_gen, kwargs)
+                for i, toks in zip(part, tokens):
+                    text = postprocess_generated_text(self.tok_decode(toks), until, None)
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", args[i], text)
+                pbar.update(len(part))
+        pbar.close()
+        return out
+
+    def _generate(self, prompts: list[list[int]], until: list[str], max_gen: int, kwargs: dict) -> list[list[int]]:
+        """New tokens per prompt; one-token prompts (nothing for the prompt passes) decode with the causal weights."""
+        out: list[list[int]] = [[] for _ in prompts]
+        long_ = [k for k, p in enumerate(prompts) if len(p) >= 2]
+        short = [k for k, p in enumerate(prompts) if len(p) < 2]
+        common = dict(max_new_tokens=max_gen, tokenizer=self.tokenizer, stop_strings=until,
+                      eos_token_id=self.eot_token_id, pad_token_id=self._pad, **kwargs)
+        if long_:
+            ids, mask = self._left_pad([prompts[k] for k in long_])
+            new = self.model.generate(ids, mask, **common)  # (b, N)
+            for k, row in zip(long_, new.tolist()):
+                out[k] = row
+        for k in short:
+            base = self.model.weights.base  # the causal weights are the active set outside a pass
+            ids = torch.tensor([prompts[k]], device=self.device)
+            new = base.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **common)
+            out[k] = new[0, ids.shape[1]:].tolist()
+        return out
