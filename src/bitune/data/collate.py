@@ -1,0 +1,105 @@
+"""Tokenization and batching of examples for :class:`bitune.BituneModel`.
+
+The model takes the full prompt and the answer apart: ``prompt_ids`` (B, P) left-padded and
+``answer_ids`` (B, A) right-padded, each with a mask (1 = real token). The model itself moves
+the prompt's last token into the answer pass, so here a prompt is tokenized whole, with the
+tokenizer's special tokens (a BOS where it adds one), and an answer without special tokens,
+followed by the eos token. Samples longer than ``max_length`` are dropped, never truncated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import BituneError
+from .templates import Example
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise BituneError(f"tokenizer {tokenizer.name_or_path} has no eos token to end answers with")
+    return tokenizer.eos_token_id
+
+
+def _pack(prompt_ids: list[int], answer_ids: list[int], eos: int, max_length: int, example: Example) -> dict | None:
+    if len(prompt_ids) < 2:
+        raise BituneError(f"example {example.id}: the prompt {example.prompt!r} is {len(prompt_ids)} token(s); at least 2 are needed")
+    answer_ids = [*answer_ids, eos]
+    if len(prompt_ids) + len(answer_ids) > max_length:
+        return None
+    return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
+
+
+def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example, max_length: int = 512) -> dict | None:
+    """Tokenize one example into prompt and answer token ids.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        example: Prompt and answer text.
+        max_length: Longest allowed prompt + answer (eos included), in tokens. Default 512.
+
+    Returns:
+        ``{"prompt_ids": [...], "answer_ids": [..., eos]}``, or None when the sample is longer
+        than ``max_length`` (it is dropped, not truncated).
+
+    Raises:
+        BituneError: The prompt is shorter than 2 tokens, or the tokenizer has no eos token.
+    """
+    prompt_ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
+    answer_ids = tokenizer(example.answer, add_special_tokens=False)["input_ids"]
+    return _pack(prompt_ids, answer_ids, _eos_id(tokenizer), max_length, example)
+
+
+def tokenize_dataset(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int = 512
+) -> tuple[list[dict], int]:
+    """Tokenize many examples at once (same result as :func:`tokenize_example` on each).
+
+    Returns:
+        ``(samples, n_dropped)``: the samples that fit in ``max_length``, in order, and how many did not.
+    """
+    eos = _eos_id(tokenizer)
+    prompts = tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"] if examples else []
+    answers = tokenizer([e.answer for e in examples], add_special_tokens=False)["input_ids"] if examples else []
+    packed = [_pack(p, a, eos, max_length, e) for p, a, e in zip(prompts, answers, examples)]
+    kept = [s for s in packed if s is not None]
+    return kept, len(packed) - len(kept)
+
+
+@dataclass
+class Collator:
+    """Pad a list of tokenized samples into the model's four batch tensors."""
+
+    pad_token_id: int
+    """Id written into padded positions (masked out; its value never matters)."""
+
+    def __call__(self, samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """Batch samples from :func:`tokenize_example`.
+
+        Returns:
+            ``prompt_ids`` and ``prompt_mask`` (B, P), left-padded; ``answer_ids`` and
+            ``answer_mask`` (B, A), right-padded; all LongTensors, masks 1 on real tokens.
+        """
+        if not samples:
+            raise BituneError("cannot collate an empty batch")
+        B = len(samples)
+        P = max(len(s["prompt_ids"]) for s in samples)
+        A = max(len(s["answer_ids"]) for s in samples)
+        prompt_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P)
+        prompt_mask = torch.zeros((B, P), dtype=torch.long)  # (B, P)
+        answer_ids = torch.full((B, A), self.pad_token_id, dtype=torch.long)  # (B, A)
+        answer_mask = torch.zeros((B, A), dtype=torch.long)  # (B, A)
+        for i, s in enumerate(samples):
+            p, a = len(s["prompt_ids"]), len(s["answer_ids"])
+            prompt_ids[i, P - p :] = torch.tensor(s["prompt_ids"], dtype=torch.long)
+            prompt_mask[i, P - p :] = 1
+            answer_ids[i, :a] = torch.tensor(s["answer_ids"], dtype=torch.long)
+            answer_mask[i, :a] = 1
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "answer_ids": answer_ids, "answer_mask": answer_mask}

