@@ -59,8 +59,7 @@ def perturb_adapters(model, scale: float = 0.05, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.trainable_parameters().values():
-            if p.ndim > 0 or True:
-                p.add_(torch.randn(p.shape, generator=g) * scale)
+            p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
 
 

@@ -261,6 +261,7 @@ class BituneModel(nn.Module):
                           str(tmp / MIXER_FILE))
             if self.weights.peft:
                 self.weights.model.save_pretrained(str(tmp), selected_adapters=list(self.config.weight_sets))
+                (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
             elif self.config.method == "full" and self.config.weight_sets:
                 self.weights.model.save_pretrained(str(tmp / "causal"), max_shard_size="1000GB")
                 if "bidir" in self.config.weight_sets:
@@ -306,7 +307,10 @@ class BituneModel(nn.Module):
                 path = directory / name / "adapter_model.safetensors"
                 state = _read_safetensors(path)
                 before = {k: p.detach().clone() for k, p in params.items()}
-                result = set_peft_model_state_dict(self.weights.model, state, adapter_name=name)
+                try:
+                    result = set_peft_model_state_dict(self.weights.model, state, adapter_name=name)
+                except RuntimeError as e:
+                    raise ValueError(f"{path} does not match this model/config: {str(e).splitlines()[-1]}") from e
                 if result.unexpected_keys:
                     raise ValueError(f"{path}: unexpected tensors {result.unexpected_keys[:3]}: "
                                      "the checkpoint does not match this model/config")

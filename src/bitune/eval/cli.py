@@ -1,0 +1,182 @@
+"""``bitune eval``: evaluate a checkpoint or a base model on the paper's benchmarks with lm-evaluation-harness.
+
+Writes one JSON per run: per-task metrics (``acc``/``acc_norm`` with standard errors for multiple choice,
+``exact_match_strict``/``exact_match_flexible`` for GSM8K, and the number of questions), the run's config (Bitune
+config, base model, checkpoint, training seed when the run folder records it, limit, batch size, package
+versions) and timing. ``bitune report`` aggregates these files over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import BituneError
+
+HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
+RESULT_FILE = "eval.json"
+"""Name of the result file written into an output folder (and looked for by ``bitune report``)."""
+SCHEMA = "bitune-eval/1"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Evaluate a Bitune checkpoint (any variant) or a base model (as the 'pretrained' "
+                          "baseline), zero-shot, on the paper's benchmarks read offline. Example:\n"
+                          "  bitune eval --checkpoint runs/piqa-42/final --tasks piqa,arc_challenge --limit 100")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a Bitune checkpoint folder (e.g. a run's final/)")
+    src.add_argument("--model", metavar="NAME", help="a base model name or folder, evaluated untrained")
+    parser.add_argument("--base", metavar="NAME", help="with --checkpoint: base model to load instead of the "
+                        "one the checkpoint records")
+    parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu",
+                        help="comma-separated: piqa, arc_challenge, arc_easy, csqa, siqa, mmlu, gsm8k")
+    parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+    parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
+    parser.add_argument("--label", help="method name in reports (default: derived from the Bitune config)")
+    parser.add_argument("--output", metavar="FILE|DIR",
+                        help=f"result JSON file, or a folder to write {RESULT_FILE} into (default: next to the "
+                             "checkpoint's final/ folder, i.e. the run folder; with --model: print only)")
+
+
+def default_label(config) -> str:
+    """Method name for tables: ``pretrained``, ``lora``, ``lora16``, ``bitune``, ``dora_bitune``, ..."""
+    name = config.variant
+    if config.variant != "pretrained":
+        if config.rank != 8 and config.method in ("lora", "dora"):
+            name += str(config.rank)
+        if config.method != "lora":
+            name = f"{config.method}_{name}"
+    return name
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("bitune", "torch", "transformers", "peft", "lm_eval"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _train_seed(checkpoint: Path) -> int | None:
+    """The training seed from the run folder's ``settings.yaml`` (written by ``bitune train``), if any."""
+    import yaml
+
+    for folder in (checkpoint, checkpoint.parent):
+        path = folder / "settings.yaml"
+        if path.is_file():
+            data = yaml.safe_load(path.read_text()) or {}
+            return data.get("seed")
+    return None
+
+
+def task_metrics(results: dict) -> dict[str, dict[str, float]]:
+    """lm-eval's ``results`` -> ``{benchmark: {metric: value}}`` with ``,none`` filter suffixes removed."""
+    from .tasks import PREFIX
+
+    out = {}
+    for task, metrics in results["results"].items():
+        clean = {k.split(",")[0]: v for k, v in metrics.items() if k != "alias" and isinstance(v, (int, float))}
+        n = results.get("n-samples", {}).get(task, {})
+        clean["n"] = n.get("effective", n.get("original"))
+        out[task.removeprefix(PREFIX)] = clean
+    return out
+
+
+def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234) -> tuple[dict, dict]:
+    """Run lm-eval on a model instance; returns ``(per-task metrics, timing)``.
+
+    Args:
+        lm: an lm-eval ``LM`` (e.g. :class:`bitune.eval.lm.BituneLM`).
+        tasks: benchmark names (``piqa`` or ``bitune_piqa``), a list or comma-separated.
+        limit: first N questions per task (None: all).
+        seed: lm-eval's python/numpy/torch seed.
+    """
+    import lm_eval
+
+    from .tasks import make_tasks
+
+    start = time.perf_counter()
+    task_objs = make_tasks(tasks)
+    loaded = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=lm, tasks=task_objs, limit=limit, random_seed=seed,
+                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                      bootstrap_iters=0, log_samples=False)
+    done = time.perf_counter()
+    return task_metrics(results), {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
+
+
+def output_path(args: argparse.Namespace) -> Path | None:
+    if args.output:
+        out = Path(args.output)
+        return out if out.suffix == ".json" else out / RESULT_FILE
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint).resolve()
+        return (ckpt.parent if ckpt.name == "final" else ckpt) / RESULT_FILE
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .lm import BituneLM, load_for_eval
+    from .tasks import make_tasks
+
+    if args.limit is not None and args.limit < 1:
+        raise BituneError(f"--limit must be >= 1, got {args.limit}")
+    make_tasks(args.tasks)  # unknown task names fail before the model loads
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    model, tokenizer = load_for_eval(args.checkpoint, args.model, args.base, args.dtype, device)
+    lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=args.batch_size)
+    load_s = time.perf_counter() - t0
+    metrics, timing = evaluate(lm, args.tasks, args.limit, args.seed)
+    config = model.config
+    record = {
+        "schema": SCHEMA,
+        "label": args.label or default_label(config),
+        "tasks": metrics,
+        "config": {
+            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
+            "model": config.base_model or args.model, "bitune": config.to_dict(),
+            "train_seed": _train_seed(Path(args.checkpoint)) if args.checkpoint else None,
+            "eval_seed": args.seed, "limit": args.limit, "batch_size": args.batch_size, "device": device,
+            "dtype": args.dtype, "num_fewshot": 0, "versions": versions(),
+        },
+        "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    _print(record)
+    out = output_path(args)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"bitune eval: wrote {out}")
+    return 0
+
+
+def _print(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{record['label']} ({record['config']['model']})")
+    for col in ("task", "metric", "value", "stderr", "n"):
+        table.add_column(col)
+    for task, metrics in record["tasks"].items():
+        for name, value in metrics.items():
+            if name.endswith("_stderr") or name == "n":
+                continue
+            err = metrics.get(f"{name}_stderr")
+            table.add_row(task, name, f"{100 * value:.2f}",
+                          f"{100 * err:.2f}" if isinstance(err, (int, float)) else "", str(metrics.get("n", "")))
+    Console().print(table)

@@ -1,0 +1,74 @@
+"""The training recipe: settings in, trained model out (load base model and data, wrap, train, save)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import transformers
+
+from ..errors import BituneError
+from ..model import BituneModel
+from .settings import TrainSettings
+from .trainer import TrainResult, build_trainer, prepare_output_dir, run_training
+
+
+def load_data(settings: TrainSettings, tokenizer, split: str, limit: int | None,
+              say: Callable[[str], None] = print) -> tuple[list[dict], int]:
+    """Tokenized samples of one split, with the number dropped for exceeding ``max_length``."""
+    from ..data.collate import tokenize_dataset
+    from ..data.datasets import load_examples
+
+    examples = load_examples(settings.dataset, split, limit=limit)
+    if not examples:
+        raise BituneError(f"dataset {settings.dataset!r} split {split!r} is empty")
+    samples, dropped = tokenize_dataset(tokenizer, examples, settings.max_length)
+    if not samples:
+        raise BituneError(f"all {len(examples)} examples of {settings.dataset}/{split} are longer than "
+                          f"max_length={settings.max_length} tokens; raise max_length")
+    say(f"bitune train: {settings.dataset}/{split}: {len(samples)} examples, {dropped} dropped "
+        f"(longer than max_length={settings.max_length})")
+    return samples, dropped
+
+
+def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
+    """Run a training job end to end.
+
+    Loads the base model (``bitune.hub.load_model``) and the data, wraps the model as ``settings.bitune``
+    says, trains with :class:`~bitune.train.trainer.BituneTrainer`, and writes ``final/``, ``log.jsonl``,
+    ``settings.yaml`` and checkpoints into ``settings.output_dir``.
+
+    Args:
+        settings: the validated run settings.
+        resume: continue from the last complete checkpoint in ``output_dir``.
+        say: where progress lines go.
+
+    Raises:
+        BituneError: unknown model or dataset, empty split, a run folder that would be overwritten,
+            a corrupt checkpoint.
+    """
+    from ..data.collate import Collator
+    from ..hub import load_model
+
+    if settings.bitune.variant == "pretrained":
+        raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
+    prepare_output_dir(Path(settings.output_dir), settings, resume, write=False)  # fail before the slow part
+    base, tokenizer = load_model(settings.model)
+    train_data, dropped = load_data(settings, tokenizer, settings.train_split, settings.limit, say)
+    eval_data = None
+    if settings.eval_split is not None:
+        eval_data, _ = load_data(settings, tokenizer, settings.eval_split, settings.eval_limit, say)
+    transformers.set_seed(settings.seed)  # adapter init depends on it
+    config = dataclasses.replace(settings.bitune, base_model=settings.model)
+    model = BituneModel.wrap(base, config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad))
+    result = run_training(trainer, settings, resume, first_log={
+        "event": "data", "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
+        "eval_examples": len(eval_data) if eval_data is not None else 0})
+    say(f"bitune train: final model in {result.final_dir} (train_loss {result.metrics.get('train_loss', 0):.4f})")
+    return result
+
+
+__all__ = ["train", "load_data"]

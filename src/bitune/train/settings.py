@@ -1,0 +1,277 @@
+"""Typed settings of a training run, loaded from YAML plus ``--set key=value`` overrides.
+
+A config file is a mapping of :class:`TrainSettings` fields; the Bitune model settings form the nested
+``bitune:`` section (:class:`bitune.config.BituneConfig`). A file may name another file to extend with
+``extends: base.yaml`` (resolved relative to itself); its sections are merged key by key. Every key is
+checked: a typo is rejected with the allowed keys and the closest match.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import BituneConfig
+from ..errors import BituneError
+
+EXTENDS_KEY = "extends"
+BF16_CHOICES = ("auto", "true", "false")
+
+
+@dataclass
+class TrainSettings:
+    """Everything a training run needs; validated on construction."""
+
+    model: str = "smollm2-135m"
+    """Base model: a built-in offline name (see ``bitune.hub.list_models``), a hub id or a local folder."""
+    dataset: str = "alpaca_demo"
+    """Training data: a name from ``bitune.data.datasets.DATASETS`` or a local .json/.jsonl file."""
+    train_split: str = "train"
+    """Split of ``dataset`` to train on."""
+    eval_split: str | None = None
+    """Split to compute the validation loss on every ``eval_every`` steps (none: no validation)."""
+    limit: int | None = None
+    """Use only the first N training examples (none: all)."""
+    eval_limit: int | None = 200
+    """Use only the first N validation examples (none: all)."""
+    max_length: int = 512
+    """Longest prompt + answer in tokens; longer samples are dropped (not truncated) and counted."""
+    bitune: BituneConfig = field(default_factory=BituneConfig)
+    """The model variant and how it is trained (section ``bitune:``; see ``BituneConfig``)."""
+    lr: float = 3e-4
+    """Peak learning rate of AdamW (betas 0.9, 0.999); the paper uses 3e-4 for instructions, 1e-3 for tasks."""
+    steps: int | None = None
+    """Optimizer steps to train for; overrides ``epochs`` when set."""
+    epochs: float = 1.0
+    """Passes over the training data (used when ``steps`` is not set)."""
+    batch_size: int = 1
+    """Examples per forward pass."""
+    grad_accum: int = 10
+    """Forward passes accumulated per optimizer step (effective batch = batch_size x grad_accum)."""
+    warmup_ratio: float = 0.1
+    """Fraction of the steps spent warming the learning rate up linearly from 0; it then decays linearly to 0."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the gradient to this global norm (0: no clipping)."""
+    seed: int = 42
+    """Seed of weights init, data order and dropout."""
+    bf16: str = "auto"
+    """bfloat16 autocast: 'auto' (on where the GPU supports it), 'true' or 'false'; always fp32 on CPU."""
+    log_every: int = 10
+    """Log loss, learning rate and mixing ratios every N steps (log.jsonl and TensorBoard)."""
+    eval_every: int | None = None
+    """Compute the validation loss every N steps (needs ``eval_split``; none: only at the end)."""
+    save_every: int | None = None
+    """Write a resumable checkpoint every N steps (none: only the final model)."""
+    save_total_limit: int | None = 2
+    """Keep only the newest N checkpoints (none: keep all)."""
+    output_dir: str = "runs/bitune"
+    """Folder for checkpoints, the final model (``final/``), logs and the resolved settings."""
+    num_workers: int = 0
+    """Data loader worker processes."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bitune, dict):
+            self.bitune = _bitune_config(self.bitune)
+        if not isinstance(self.bitune, BituneConfig):
+            raise BituneError(f"bitune: expected a mapping of BituneConfig fields, got {self.bitune!r}")
+        for f in dataclasses.fields(self):
+            if f.name != "bitune":
+                setattr(self, f.name, _coerce(f"{f.name}", getattr(self, f.name), _hints()[f.name]))
+        self.bf16 = str(self.bf16).lower()
+        if self.bf16 not in BF16_CHOICES:
+            raise BituneError(f"bf16={self.bf16!r} is not one of {list(BF16_CHOICES)}")
+        for name in ("max_length", "batch_size", "grad_accum", "log_every"):
+            _positive(name, getattr(self, name))
+        for name in ("limit", "eval_limit", "steps", "eval_every", "save_every", "save_total_limit"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not self.model:
+            raise BituneError("model must name a base model")
+        if not self.dataset:
+            raise BituneError("dataset must name a dataset")
+        if self.steps is None and not self.epochs > 0:
+            raise BituneError(f"epochs must be > 0 when steps is not set, got {self.epochs}")
+        if not self.lr > 0:
+            raise BituneError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise BituneError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_workers < 0:
+            raise BituneError("weight_decay, max_grad_norm and num_workers must be >= 0")
+        if self.eval_every is not None and self.eval_split is None:
+            raise BituneError("eval_every is set but eval_split is not: name the split to validate on")
+        if self.bitune.base_model is not None and self.bitune.base_model != self.model:
+            raise BituneError(f"bitune.base_model={self.bitune.base_model!r} differs from model={self.model!r}; "
+                              "leave bitune.base_model unset (it is filled in from model)")
+        if not self.output_dir:
+            raise BituneError("output_dir must be a folder path")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-ready) of every setting."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainSettings":
+        """Build from a (nested) dict, rejecting unknown keys with the closest allowed one."""
+        if not isinstance(data, dict):
+            raise BituneError(f"settings must be a mapping of keys to values, got {type(data).__name__}")
+        _check_keys(data, field_names(cls), "")
+        return cls(**data)
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def field_docs(cls: type = TrainSettings) -> dict[str, str]:
+    """The one-line docstring of every field of a settings dataclass, read from its source."""
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainSettings:
+    """Read settings from a YAML file (following ``extends:``) and apply ``key=value`` overrides.
+
+    Args:
+        path: YAML config file; ``None`` starts from the defaults.
+        overrides: ``"key=value"`` strings; dotted keys reach into sections (``bitune.rank=16``); values are
+            parsed as YAML (``steps=100``, ``eval_split=null``).
+
+    Raises:
+        BituneError: unreadable file, malformed YAML, unknown key or invalid value.
+    """
+    data = read_yaml(Path(path)) if path is not None else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise BituneError(f"--set {item!r}: expected key=value, e.g. --set lr=1e-3 or --set bitune.rank=16")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(data, key.strip(), value)
+    return TrainSettings.from_dict(data)
+
+
+def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One YAML config as a dict, merged over the file it ``extends`` (recursively)."""
+    path = path.expanduser()
+    if not path.is_file():
+        raise BituneError(f"config file not found: {path}")
+    if path.resolve() in _seen:
+        raise BituneError(f"{path}: 'extends' forms a cycle")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise BituneError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
+    if not isinstance(data, dict):
+        raise BituneError(f"{path}: expected a mapping of settings at the top level")
+    parent = data.pop(EXTENDS_KEY, None)
+    if parent is None:
+        return data
+    base = read_yaml(path.parent / str(parent), (*_seen, path.resolve()))
+    return _merge(base, data)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise BituneError(f"--set {key}: {'.'.join(parents[:i + 1])} is not a section")
+        node = child
+    node[last] = value
+
+
+def _check_keys(data: dict[str, Any], allowed: list[str], prefix: str) -> None:
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise BituneError(f"unknown setting '{prefix}{key}'{hint}; allowed: {', '.join(allowed)}")
+    if isinstance(data.get("bitune"), dict):
+        _check_keys(data["bitune"], field_names(BituneConfig), "bitune.")
+
+
+def _bitune_config(data: dict[str, Any]) -> BituneConfig:
+    _check_keys(data, field_names(BituneConfig), "bitune.")
+    hints = typing.get_type_hints(BituneConfig)
+    data = {k: v if k == "target_modules" else _coerce(f"bitune.{k}", v, hints[k]) for k, v in data.items()}
+    try:
+        return BituneConfig(**data)
+    except ValueError as e:
+        raise BituneError(f"bitune: {e}") from e
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainSettings)
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against a simple annotation (int, float, str, bool, X | None), converting YAML strings
+    like ``1e-3`` (YAML 1.1 reads them as text) and ints for floats."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if hint is float and not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif hint is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif hint is str:
+        if isinstance(value, bool) and name.endswith("bf16"):
+            return str(value).lower()
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif hint is bool and isinstance(value, bool):
+        return value
+    else:
+        return value
+    raise BituneError(f"{name}={value!r} is not a valid {getattr(hint, '__name__', hint)}")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise BituneError(f"{name} must be a positive integer, got {value}")
+
+
+__all__ = ["TrainSettings", "load_settings", "read_yaml", "field_docs", "field_names"]

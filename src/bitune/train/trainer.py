@@ -1,0 +1,373 @@
+"""Training on transformers' ``Trainer``: the loss is a :class:`~bitune.model.BituneModel` forward.
+
+The subclass changes only what is Bitune-specific: the loss (prompt/answer batches), the optimizer (AdamW
+over exactly ``model.trainable_parameters()``), checkpoints (our ``save_pretrained``: safetensors + JSON,
+written into a staging folder and renamed into place) and resuming (strict ``load_weights``). Everything
+else (schedule, clipping, accumulation, seeding, autocast, resumable data order) is Trainer's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+from ..errors import BituneError
+from ..model import BituneModel, read_config
+from .settings import TrainSettings
+
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"
+LOG_FILE = "log.jsonl"
+SETTINGS_FILE = "settings.yaml"
+FINAL_DIR = "final"
+TB_DIR = "tensorboard"
+
+
+class BituneTrainer(Trainer):
+    """``Trainer`` whose model is a :class:`BituneModel` fed by :class:`bitune.data.collate.Collator` batches."""
+
+    _staging: Path | None = None
+    _keep: int | None = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Mean answer-token cross-entropy of the batch (prompt_ids/mask (B, P), answer_ids/mask (B, A))."""
+        out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
+        return (out.loss, out) if return_outputs else out.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Validation: the loss only."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """AdamW (betas 0.9, 0.999) over exactly the model's trainable parameters; no decay on mixing thetas."""
+        if self.optimizer is None:
+            params = list(self.model.trainable_parameters().values())
+            if not params:
+                raise BituneError(f"variant {self.model.config.variant!r} has no trainable parameters")
+            mixer = {id(p) for p in self.model.mixer.parameters()} if self.model.mixer is not None else set()
+            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.args.weight_decay},
+                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
+            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                                               betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                               eps=self.args.adam_epsilon)
+        return self.optimizer
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles)."""
+        self.model.save_pretrained(output_dir or self.args.output_dir)
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the whole checkpoint (model, optimizer, scheduler, RNG, state) in a staging folder, then
+        rename it into place, so ``checkpoint-N`` either is complete or does not exist."""
+        root = Path(self.args.output_dir)
+        name = f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+        self._staging = root / f".staging-{name}"
+        shutil.rmtree(self._staging, ignore_errors=True)
+        try:
+            super()._save_checkpoint(model, trial)
+            _replace_dir(self._staging / name, root / name)
+        finally:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+        _rotate(root, self._keep)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Strictly load the checkpoint's weights (the config must match this run's)."""
+        saved = read_config(Path(resume_from_checkpoint))
+        if saved != self.model.config:
+            raise BituneError(f"{resume_from_checkpoint} was trained with {saved}, this run uses "
+                              f"{self.model.config}; use a new output_dir for a different model")
+        self.model.load_weights(resume_from_checkpoint)
+
+
+class JsonlLogger(TrainerCallback):
+    """Every log event to ``log.jsonl`` (one JSON object per line) and TensorBoard, with per-layer a_k / a_v."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool = True):
+        self.path = output_dir / LOG_FILE
+        self.tb_dir = output_dir / TB_DIR
+        self.use_tb = tensorboard
+        self.writer = None
+        self.start = time.time()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.use_tb and self.writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("bitune train: tensorboard is not installed; logging to log.jsonl only")
+                self.use_tb = False
+            else:
+                self.writer = SummaryWriter(str(self.tb_dir))
+
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        record: dict[str, Any] = {"step": state.global_step}
+        for k, v in (logs or {}).items():
+            if isinstance(v, (int, float)):
+                record["lr" if k == "learning_rate" else k] = v
+        if model is not None:
+            for k, ratios in model.mixing_ratios().items():  # (L,) each
+                record[f"a_{k}"] = [round(float(a), 6) for a in ratios]
+        record["elapsed_s"] = round(time.time() - self.start, 2)
+        append_jsonl(self.path, record)
+        if self.writer is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.writer.add_scalar(f"train/{k}", v, state.global_step)
+                elif isinstance(v, list):
+                    for i, a in enumerate(v):
+                        self.writer.add_scalar(f"mixing/{k}/layer_{i:02d}", a, state.global_step)
+            self.writer.flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class LossProgress(ProgressCallback):
+    """Trainer's tqdm bar (steps, time left) with the latest loss as a postfix instead of printed dicts."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.training_bar is not None and logs:
+            shown = {k: f"{logs[k]:.4g}" for k in ("loss", "eval_loss") if isinstance(logs.get(k), float)}
+            if shown:
+                self.training_bar.set_postfix(shown, refresh=False)
+
+
+@dataclass
+class TrainResult:
+    """What a finished run produced."""
+
+    output_dir: Path
+    """The run folder."""
+    final_dir: Path
+    """The final model, loadable with ``BituneModel.from_pretrained``."""
+    metrics: dict[str, float]
+    """Trainer's summary (train_loss, train_runtime, ...)."""
+
+
+def training_arguments(settings: TrainSettings, bf16: bool, use_cpu: bool) -> TrainingArguments:
+    """The ``TrainingArguments`` a :class:`TrainSettings` stands for."""
+    return TrainingArguments(
+        output_dir=settings.output_dir,
+        per_device_train_batch_size=settings.batch_size,
+        per_device_eval_batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.grad_accum,
+        learning_rate=settings.lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=settings.max_grad_norm,
+        max_steps=settings.steps if settings.steps is not None else -1,
+        num_train_epochs=settings.epochs,
+        lr_scheduler_type="linear",
+        warmup_steps=settings.warmup_ratio,  # < 1: a fraction of the total steps
+        logging_strategy="steps",
+        logging_steps=settings.log_every,
+        eval_strategy="steps" if settings.eval_every else "no",
+        eval_steps=settings.eval_every,
+        prediction_loss_only=True,
+        save_strategy="steps" if settings.save_every else "no",
+        save_steps=settings.save_every or 500,
+        save_total_limit=None,  # rotation is done after the atomic rename, see BituneTrainer._save_checkpoint
+        seed=settings.seed,
+        data_seed=settings.seed,
+        bf16=bf16,
+        use_cpu=use_cpu,
+        report_to="none",
+        remove_unused_columns=False,
+        dataloader_num_workers=settings.num_workers,
+        disable_tqdm=False,
+        label_names=[],
+    )
+
+
+def resolve_bf16(setting: str) -> tuple[bool, bool]:
+    """``(bf16, use_cpu)`` for a ``bf16`` setting: bf16 only on a GPU that supports it; fp32 on CPU."""
+    cuda = torch.cuda.is_available()
+    supported = cuda and torch.cuda.is_bf16_supported()
+    if setting == "true" and not supported:
+        raise BituneError("bf16=true needs a GPU with bfloat16 support; use bf16=auto (fp32 on CPU)")
+    return (supported if setting == "auto" else setting == "true"), not cuda
+
+
+def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[dict], eval_data: list[dict] | None,
+                  collator, tensorboard: bool = True) -> BituneTrainer:
+    """A :class:`BituneTrainer` for tokenized examples (the dicts :func:`bitune.data.collate.tokenize_dataset`
+    makes) and a collator producing ``prompt_ids, prompt_mask, answer_ids, answer_mask``."""
+    if model.config.variant == "pretrained":
+        raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
+    bf16, use_cpu = resolve_bf16(settings.bf16)
+    args = training_arguments(settings, bf16, use_cpu)
+    trainer = BituneTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
+                            data_collator=collator,
+                            callbacks=[JsonlLogger(Path(settings.output_dir), tensorboard)])
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(LossProgress())
+    trainer._keep = settings.save_total_limit
+    return trainer
+
+
+def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool = False,
+                 first_log: dict[str, Any] | None = None) -> TrainResult:
+    """Train (optionally resuming from the last complete checkpoint), then save ``final/``.
+
+    Args:
+        trainer: from :func:`build_trainer`.
+        settings: the run's settings, written to ``settings.yaml``.
+        resume: continue from the newest complete ``checkpoint-N`` in ``output_dir``.
+        first_log: a record written to ``log.jsonl`` before training (e.g. data counts); not on resume.
+    """
+    out = Path(settings.output_dir)
+    checkpoint = prepare_output_dir(out, settings, resume)
+    if checkpoint is not None:
+        verify_checkpoint(checkpoint)
+        truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
+        print(f"bitune train: resuming from {checkpoint}")
+    elif first_log is not None:
+        append_jsonl(out / LOG_FILE, {"step": 0, **first_log})
+    result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+    metrics = dict(result.metrics)
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    final = out / FINAL_DIR
+    trainer.model.save_pretrained(final)
+    metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    return TrainResult(output_dir=out, final_dir=final, metrics=metrics)
+
+
+# --------------------------------------------------------------------------------------------------- run folder
+def checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints in a run folder, oldest first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / STATE_FILE).is_file()]
+    return sorted(found, key=_checkpoint_step)
+
+
+def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: bool = True) -> Path | None:
+    """Check the run folder against this run and write ``settings.yaml``; return the checkpoint to resume from.
+
+    A fresh run refuses a folder that already holds a run (nothing written is overwritten); a resumed run
+    refuses settings that differ from the saved ones (other than the output folder and the step counts).
+    ``write=False`` only checks.
+    """
+    saved_path = out / SETTINGS_FILE
+    found = checkpoints(out)
+    if not resume:
+        if found or (out / FINAL_DIR).exists() or (out / LOG_FILE).exists():
+            raise BituneError(f"{out} already holds a training run; pass --resume to continue it "
+                              "or choose another output_dir")
+    elif saved_path.exists():
+        import yaml
+        try:
+            saved = yaml.safe_load(saved_path.read_text())
+        except yaml.YAMLError as e:
+            raise BituneError(f"{saved_path} is corrupt ({e}); cannot check the run to resume") from e
+        now = settings.to_dict()
+        changed = sorted(k for k in now if k not in ("output_dir", "steps", "epochs", "save_every",
+                                                     "save_total_limit", "log_every", "eval_every", "num_workers")
+                         and (saved or {}).get(k) != now[k])
+        if changed:
+            raise BituneError(f"--resume: settings {changed} differ from the saved run in {saved_path}; "
+                              "resume with the same settings or choose another output_dir")
+    if not write:
+        return found[-1] if resume and found else None
+    if resume and not found:
+        print(f"bitune train: no checkpoint in {out}; starting from scratch")
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(saved_path, settings.to_yaml())
+    return found[-1] if resume and found else None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Read every file of a checkpoint before training resumes, so corruption fails early with its name."""
+    try:
+        json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BituneError(f"corrupt checkpoint file {path / STATE_FILE}: {e}") from e
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        if not (path / name).is_file():
+            raise BituneError(f"checkpoint {path} is incomplete: {name} is missing")
+        try:
+            torch.load(path / name, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several unrelated types for a damaged file
+            raise BituneError(f"corrupt checkpoint file {path / name}: {type(e).__name__}") from e
+    read_config(path)
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after ``step`` by an interrupted run (they are logged again on resume)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by the interruption
+    _atomic_write(path, "".join(f"{line}\n" for line in kept))
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(Path(path).name[len(CHECKPOINT_PREFIX):])
+
+
+def _rotate(root: Path, keep: int | None) -> None:
+    if keep is None:
+        return
+    for old in checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def steps_for(n_examples: int, settings: TrainSettings) -> int:
+    """Optimizer steps a run takes: ``steps`` if set, else epochs x ceil(examples / effective batch)."""
+    if settings.steps is not None:
+        return settings.steps
+    per_epoch = max(1, math.ceil(n_examples / settings.batch_size) // settings.grad_accum)
+    return math.ceil(per_epoch * settings.epochs)
+
+
+__all__ = ["BituneTrainer", "JsonlLogger", "TrainResult", "build_trainer", "run_training", "checkpoints",
+           "training_arguments", "resolve_bf16", "verify_checkpoint", "steps_for"]

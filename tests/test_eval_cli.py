@@ -1,0 +1,78 @@
+"""``bitune eval`` end to end on a tiny checkpoint, and the GSM8K answer extraction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from bitune import BituneConfig, BituneModel  # noqa: E402
+from bitune.cli import main  # noqa: E402
+from bitune.data import datasets as data  # noqa: E402
+from bitune.data.templates import Example, gsm8k_example  # noqa: E402
+from bitune.eval.tasks import extract_flexible, extract_strict, gsm8k_results  # noqa: E402
+from conftest import perturb_adapters, tiny_model  # noqa: E402
+from eval_helpers import tiny_tokenizer  # noqa: E402
+
+
+@pytest.mark.parametrize("text, strict, flexible", [
+    (" She has 3 + 4 = 7 eggs.\n#### 7", "7", "7"),
+    (" 1,000 + 234 = $1,234.\n#### 1,234\n\nQuestion:", "1234", "1234"),
+    (" The answer is 12.5.", None, "12.5"),
+    (" It is -3, not 4. So -3", None, "-3"),
+    (" #### 42 and then 17", "42", "17"),
+    (" no numbers here", None, None),
+])
+def test_gsm8k_extraction(text, strict, flexible):
+    assert extract_strict(text) == strict
+    assert extract_flexible(text) == flexible
+
+
+def test_gsm8k_scores_strict_and_flexible():
+    doc = {"target": gsm8k_example("q", "so 1,234\n#### 1,234").target}
+    assert gsm8k_results(doc, [" so 1234\n#### 1234"]) == {"exact_match_strict": 1.0, "exact_match_flexible": 1.0}
+    assert gsm8k_results(doc, [" it is 1,234."]) == {"exact_match_strict": 0.0, "exact_match_flexible": 1.0}
+    assert gsm8k_results(doc, [" #### 1234 or 5"]) == {"exact_match_strict": 1.0, "exact_match_flexible": 0.0}
+
+
+def fake_examples(name, split, limit=None):
+    if name == "gsm8k":
+        return [gsm8k_example(f"what is {i}+1?", f"{i}+1={i + 1}\n#### {i + 1}", id=str(i)) for i in range(4)]
+    return [Example(prompt=f"question: {w}?\nanswer:", answer=" yes", choices=[" yes", " no", " maybe"], gold=i % 3,
+                    id=str(i)) for i, w in enumerate(["cat", "dog", "sun", "sky", "sea"])]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    base_dir = tmp_path / "base"
+    base = tiny_model("llama")
+    base.config.max_position_embeddings = 512  # room for GSM8K's 256 new tokens
+    base.save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)
+    model = perturb_adapters(BituneModel.wrap(tiny_model("llama"), BituneConfig(base_model=str(base_dir))))
+    run = tmp_path / "run"
+    model.save_pretrained(run / "final")
+    (run / "settings.yaml").write_text("seed: 43\n")
+    return run
+
+
+def test_eval_cli_end_to_end(checkpoint, monkeypatch):
+    monkeypatch.setattr(data, "load_examples", fake_examples)
+    assert main(["eval", "--checkpoint", str(checkpoint / "final"), "--tasks", "piqa,gsm8k", "--limit", "3",
+                 "--batch-size", "2", "--device", "cpu"]) == 0
+    record = json.loads((checkpoint / "eval.json").read_text())
+    assert record["label"] == "bitune"
+    assert set(record["tasks"]) == {"piqa", "gsm8k"}
+    piqa = record["tasks"]["piqa"]
+    assert piqa["n"] == 3 and 0.0 <= piqa["acc"] <= 1.0 and 0.0 <= piqa["acc_norm"] <= 1.0
+    assert set(record["tasks"]["gsm8k"]) >= {"exact_match_strict", "exact_match_flexible"}
+    assert record["config"]["train_seed"] == 43 and record["config"]["limit"] == 3
+    assert record["config"]["bitune"]["variant"] == "bitune"
+    assert record["timing"]["eval_s"] > 0
+
+
+def test_eval_cli_rejects_unknown_task(checkpoint, capsys):
+    assert main(["eval", "--checkpoint", str(checkpoint / "final"), "--tasks", "hellaswag"]) == 2
+    assert "unknown task" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""Training on a tiny in-process Llama: loss goes down, logs hold what they promise, resume is exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import EOS, VOCAB, tiny_model
+from transformers import TrainerCallback
+
+from bitune import BituneModel
+from bitune.data.collate import Collator
+from bitune.errors import BituneError
+from bitune.train.settings import TrainSettings
+from bitune.train.trainer import LOG_FILE, build_trainer, checkpoints, run_training
+
+
+def samples(n: int = 8, seed: int = 0) -> list[dict]:
+    """Token-id samples of mixed prompt/answer lengths, as ``tokenize_dataset`` returns them."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, a = 3 + i % 4, 2 + i % 3
+        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
+                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
+    return out
+
+
+def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), **overrides):
+    """A BituneTrainer on a fresh tiny Llama; the same arguments always give the same initial weights."""
+    opts = dict(model="tiny", dataset="tiny", output_dir=str(tmp_path / "run"), batch_size=2, grad_accum=2,
+                steps=6, lr=1e-2, log_every=1, seed=0, bitune={"variant": "bitune"})
+    opts.update(overrides)
+    settings = TrainSettings.from_dict(opts)
+    transformers.set_seed(settings.seed)
+    model = BituneModel.wrap(tiny_model(), settings.bitune)
+    trainer = build_trainer(model, settings, data if data is not None else samples(), None, Collator(0),
+                            tensorboard=False)
+    for cb in callbacks:
+        trainer.add_callback(cb)
+    return trainer, settings
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / LOG_FILE).read_text().splitlines()]
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in trainer.model.trainable_parameters().items()}
+
+
+@pytest.mark.parametrize("variant", ["bitune", "lora"])
+def test_loss_decreases_on_repeated_batch(tmp_path, variant):
+    batch = samples(4)
+    trainer, settings = make_trainer(tmp_path, data=batch * 8, batch_size=4, grad_accum=1, steps=10, lr=3e-2,
+                                     warmup_ratio=0.0, bitune={"variant": variant, "lora_alpha": 16.0})
+    run_training(trainer, settings)
+    losses = [r["loss"] for r in read_log(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 10
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_log_has_loss_lr_and_per_layer_ratios(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=4, log_every=2, warmup_ratio=0.5)
+    run_training(trainer, settings, first_log={"event": "data", "dropped": 3})
+    records = read_log(tmp_path / "run")
+    assert records[0] == {"step": 0, "event": "data", "dropped": 3}
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [2, 4]
+    for r in steps:
+        assert r["loss"] > 0 and r["lr"] > 0
+        assert len(r["a_k"]) == len(r["a_v"]) == 2  # one ratio per layer of the tiny model
+        assert all(0 < a < 1 for a in r["a_k"] + r["a_v"])
+    assert steps[0]["lr"] == pytest.approx(1e-2)  # end of the 2-step warmup, then linear decay
+    assert steps[1]["lr"] < steps[0]["lr"]
+    assert steps[1]["a_v"] != [0.5, 0.5]  # the mixing ratios train
+
+
+def test_lora_log_has_no_ratios(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=2, bitune={"variant": "lora"})
+    run_training(trainer, settings)
+    assert all("a_k" not in r for r in read_log(tmp_path / "run"))
+
+
+def test_optimizer_covers_exactly_the_trainable_parameters(tmp_path):
+    trainer, _ = make_trainer(tmp_path)
+    trainer.create_optimizer()
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in trainer.model.trainable_parameters().values()}
+    assert {g["weight_decay"] for g in trainer.optimizer.param_groups} == {0.0}
+    assert trainer.optimizer.defaults["betas"] == (0.9, 0.999)
+
+
+class Interrupt(TrainerCallback):
+    """Simulates a crash right after optimizer step ``at``."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    opts = dict(steps=6, save_every=2, save_total_limit=None)
+    full, settings = make_trainer(tmp_path / "a", **opts)
+    run_training(full, settings)
+    expected = weights(full)
+
+    first, settings = make_trainer(tmp_path / "b", callbacks=[Interrupt(at=5)], **opts)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(first, settings)
+    run_dir = tmp_path / "b" / "run"
+    assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-2", "checkpoint-4"]
+    assert not (run_dir / "final").exists()
+
+    second, settings = make_trainer(tmp_path / "b", **opts)  # a fresh process: fresh model, same settings
+    run_training(second, settings, resume=True)
+    got = weights(second)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6, msg=k)
+    reloaded = BituneModel.from_pretrained(run_dir / "final", base=tiny_model())
+    for k, p in reloaded.trainable_parameters().items():
+        torch.testing.assert_close(p, expected[k], rtol=0, atol=0)
+    log_steps = [r["step"] for r in read_log(run_dir) if "loss" in r]
+    assert log_steps == [1, 2, 3, 4, 5, 6]  # lines after the checkpoint were replaced, not duplicated
+
+
+def test_checkpoints_are_safetensors_and_rotated(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=6, save_every=2, save_total_limit=2)
+    run_training(trainer, settings)
+    run_dir = tmp_path / "run"
+    assert [p.name for p in checkpoints(run_dir)] == ["checkpoint-4", "checkpoint-6"]
+    ckpt = run_dir / "checkpoint-6"
+    assert (ckpt / "mixer.safetensors").is_file()
+    assert (ckpt / "causal" / "adapter_model.safetensors").is_file()
+    assert not list(ckpt.rglob("*.bin")) and not (ckpt / "training_args.bin").exists()
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=2)
+    run_training(trainer, settings)
+    before = (tmp_path / "run" / LOG_FILE).read_text()
+    again, settings = make_trainer(tmp_path, steps=2)
+    with pytest.raises(BituneError, match="already holds a training run"):
+        run_training(again, settings)
+    assert (tmp_path / "run" / LOG_FILE).read_text() == before
+
+
+def test_corrupt_checkpoint_on_resume_fails_and_keeps_files(tmp_path):
+    first, settings = make_trainer(tmp_path, steps=4, save_every=2, callbacks=[Interrupt(at=3)])
+    with pytest.raises(KeyboardInterrupt):
+        run_training(first, settings)
+    mixer = tmp_path / "run" / "checkpoint-2" / "mixer.safetensors"
+    mixer.write_bytes(b"not a safetensors file")
+    log_before = (tmp_path / "run" / LOG_FILE).read_text()
+    second, settings = make_trainer(tmp_path, steps=4, save_every=2)
+    with pytest.raises(BituneError, match="mixer.safetensors"):
+        run_training(second, settings, resume=True)
+    assert mixer.read_bytes() == b"not a safetensors file"
+    assert (tmp_path / "run" / LOG_FILE).read_text() == log_before
+
+
+def test_resume_with_changed_settings_is_refused(tmp_path):
+    first, settings = make_trainer(tmp_path, steps=2, save_every=1)
+    run_training(first, settings)
+    second, settings = make_trainer(tmp_path, steps=4, lr=1e-3)
+    with pytest.raises(BituneError, match=r"\['lr'\]"):
+        run_training(second, settings, resume=True)
+
+
+def test_pretrained_variant_cannot_train(tmp_path):
+    with pytest.raises(BituneError, match="trains nothing"):
+        make_trainer(tmp_path, bitune={"variant": "pretrained"})
+
+
+def test_bf16_true_needs_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    with pytest.raises(BituneError, match="bf16"):
+        make_trainer(tmp_path, bf16="true")
