@@ -90,5 +90,5 @@ def gsm8k_example(question: str, answer: str, id: str | None = None) -> Example:
     if match is None:
         raise BituneError(f"GSM8K record {id}: answer does not end in '#### <number>'")
     return Example(
-        prompt=f"Question: {question}\n\nAnswer:", answer=f" {answer}", id=id, target=match.group(1).replace(",", "")
+        prompt=f"Question: {question}\n\nAnswer:", answer=f" {answer}", id=id, target=match.group(1)
     )
