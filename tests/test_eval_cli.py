@@ -61,12 +61,13 @@ def checkpoint(tmp_path):
 def test_eval_cli_end_to_end(checkpoint, monkeypatch):
     monkeypatch.setattr(data, "load_examples", fake_examples)
     assert main(["eval", "--checkpoint", str(checkpoint / "final"), "--tasks", "piqa,gsm8k", "--limit", "3",
-                 "--batch-size", "2", "--device", "cpu"]) == 0
+                 "--batch-size", "2", "--device", "cpu", "--max-new-tokens", "8"]) == 0
     record = json.loads((checkpoint / "eval.json").read_text())
     assert record["label"] == "bitune"
     assert set(record["tasks"]) == {"piqa", "gsm8k"}
     piqa = record["tasks"]["piqa"]
     assert piqa["n"] == 3 and 0.0 <= piqa["acc"] <= 1.0 and 0.0 <= piqa["acc_norm"] <= 1.0
+    assert piqa["acc_stderr"] >= 0.0
     assert set(record["tasks"]["gsm8k"]) >= {"exact_match_strict", "exact_match_flexible"}
     assert record["config"]["train_seed"] == 43 and record["config"]["limit"] == 3
     assert record["config"]["bitune"]["variant"] == "bitune"

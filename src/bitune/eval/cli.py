@@ -39,6 +39,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
     parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="GSM8K: cap on generated tokens (default: the task's 256, as in the paper's setup)")
     parser.add_argument("--label", help="method name in reports (default: derived from the Bitune config)")
     parser.add_argument("--output", metavar="FILE|DIR",
                         help=f"result JSON file, or a folder to write {RESULT_FILE} into (default: next to the "
@@ -93,7 +95,8 @@ def task_metrics(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234) -> tuple[dict, dict]:
+def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234,
+             max_new_tokens: int | None = None) -> tuple[dict, dict]:
     """Run lm-eval on a model instance; returns ``(per-task metrics, timing)``.
 
     Args:
@@ -101,6 +104,7 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
         tasks: benchmark names (``piqa`` or ``bitune_piqa``), a list or comma-separated.
         limit: first N questions per task (None: all).
         seed: lm-eval's python/numpy/torch seed.
+        max_new_tokens: overrides the generative tasks' ``max_gen_toks`` (None: the task's own).
     """
     import lm_eval
 
@@ -111,7 +115,8 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
     loaded = time.perf_counter()
     results = lm_eval.simple_evaluate(model=lm, tasks=task_objs, limit=limit, random_seed=seed,
                                       numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                      bootstrap_iters=0, log_samples=False)
+                                      bootstrap_iters=1000, log_samples=False,
+                                      gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None)
     done = time.perf_counter()
     return task_metrics(results), {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
 
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_eval(args.checkpoint, args.model, args.base, args.dtype, device)
     lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=args.batch_size)
     load_s = time.perf_counter() - t0
-    metrics, timing = evaluate(lm, args.tasks, args.limit, args.seed)
+    metrics, timing = evaluate(lm, args.tasks, args.limit, args.seed, args.max_new_tokens)
     config = model.config
     record = {
         "schema": SCHEMA,
@@ -151,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             "model": config.base_model or args.model, "bitune": config.to_dict(),
             "train_seed": _train_seed(Path(args.checkpoint)) if args.checkpoint else None,
             "eval_seed": args.seed, "limit": args.limit, "batch_size": args.batch_size, "device": device,
-            "dtype": args.dtype, "num_fewshot": 0, "versions": versions(),
+            "dtype": args.dtype, "num_fewshot": 0, "max_new_tokens": args.max_new_tokens, "versions": versions(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
