@@ -31,7 +31,8 @@ def tokenizer():
         vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS * 5, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
@@ -140,7 +141,7 @@ def test_empty_file_and_bad_names(tmp_path):
         load_examples(str(empty), "train")
     with pytest.raises(BituneError, match="does not exist"):
         load_examples(str(tmp_path / "missing.jsonl"), "train")
-    with pytest.raises(BituneError, match="single split"):
+    with pytest.raises(BituneError, match="one split"):
         load_examples(str(empty), "validation")
     with pytest.raises(BituneError, match="unknown dataset 'nope'.*piqa"):
         load_examples("nope", "train")
@@ -151,7 +152,10 @@ def test_empty_file_and_bad_names(tmp_path):
 
 
 def test_registry_has_paper_eval_splits():
-    expected = {"arc_challenge": "test", "piqa": "validation", "csqa": "validation", "siqa": "validation", "mmlu": "test", "gsm8k": "test"}
+    expected = {
+        "arc_challenge": "test", "piqa": "validation", "csqa": "validation",
+        "siqa": "validation", "mmlu": "test", "gsm8k": "test",
+    }
     assert {k: DATASETS[k].eval_split for k in expected} == expected
     for info in DATASETS.values():
         assert set(info.offline) <= set(info.splits)
@@ -160,10 +164,13 @@ def test_registry_has_paper_eval_splits():
 
 def test_olmo_docs_become_examples(monkeypatch):
     docs = {
-        "arc_challenge": [{"id": "a1", "query": "Question: Which is a metal?\nAnswer:", "choices": ["wood", "iron"], "gold": 1}],
+        "arc_challenge": [
+            {"id": "a1", "query": "Question: Which is a metal?\nAnswer:", "choices": ["wood", "iron"], "gold": 1}
+        ],
         "piqa": [{"goal": "Open a jar.", "sol1": "Twist.", "sol2": "Shake.", "label": 1, "index": 4}],
         "socialiqa": [
-            {"context": "Ann won.", "question": "Feel?", "answerA": "sad", "answerB": "happy", "answerC": "bored", "label": "1", "index": 0}
+            {"context": "Ann won.", "question": "Feel?", "answerA": "sad", "answerB": "happy", "answerC": "bored",
+             "label": "1", "index": 0}
         ],
     }
     monkeypatch.setattr(sources, "olmo_task_docs", lambda task, split: docs[task])
@@ -209,13 +216,13 @@ def test_ultrafeedback_keeps_gpt4_completion(monkeypatch):
     import datasets
 
     rows = [
-        {"instruction": f"Q{i}", "completions": [{"model": "llama", "response": "no"}, {"model": "gpt-4", "response": f"A{i}"}]}
+        {"instruction": f"Q{i}", "completions": [{"model": "x", "response": "no"}, {"model": "gpt-4", "response": "A"}]}
         for i in range(1003)
     ] + [{"instruction": "skip", "completions": [{"model": "llama", "response": "no"}]}]
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: rows)
     train, val = load_examples("ultrafeedback", "train"), load_examples("ultrafeedback", "validation")
     assert (len(train), len(val)) == (3, data_module.HUB_VALIDATION_SIZE)
-    assert train[0].prompt == "Question: Q0\n\nAnswer:" and train[0].answer == " A0"
+    assert train[0].prompt == "Question: Q0\n\nAnswer:" and train[0].answer == " A"
 
 
 EXPECTED_SIZES = {

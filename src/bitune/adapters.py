@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
@@ -78,6 +79,29 @@ class WeightSets(nn.Module):
     def base(self) -> nn.Module:
         """The underlying transformers model (with PEFT layers injected, if any)."""
         return self.model.get_base_model() if self.peft else self.model
+
+    def can_route_rows(self, names: list[str]) -> bool:
+        """Whether one forward can apply different weight sets to different rows (plain LoRA, or one set)."""
+        return len(set(names)) == 1 or (self.method == "lora" and self.peft)
+
+    def call_rows(self, names: list[str], **kwargs):
+        """Run one forward whose row r uses weight set ``names[r]`` (PEFT's mixed-adapter batch, also in training).
+
+        PEFT refuses ``adapter_names`` in training mode at the model level only; its LoRA layers compute
+        mixed batches with gradients, so the argument is handed to them directly.
+        """
+        if len(set(names)) == 1:
+            return self.call(names[0], **kwargs)
+        if not self.can_route_rows(names):
+            raise ValueError(f"method {self.method!r} cannot mix weight sets within one batch")
+        handles = [layer.register_forward_pre_hook(
+            lambda _m, args, kw: (args, {**kw, "adapter_names": names}), with_kwargs=True)
+            for layer in self._tuner_layers if isinstance(layer, LoraLayer)]
+        try:
+            return self.model(**kwargs)
+        finally:
+            for h in handles:
+                h.remove()
 
     def _use_adapter(self, name: str) -> None:
         for layer in self._tuner_layers:

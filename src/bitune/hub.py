@@ -65,7 +65,10 @@ class BuiltinModel:
 
 
 def _parts(package: str, version: str, member: str, count: int, first: int) -> tuple[WheelFile, ...]:
-    """Numbered split packages ``{package}{i}`` holding numbered files ``{member}`` (1-based packages)."""
+    """Split packages ``{package}{i}=={version}`` for i = 1..count.
+
+    ``member`` is formatted with ``i`` and ``j = i - 1 + first``, the parts' own file numbering.
+    """
     return tuple(
         WheelFile(f"{package}{i}=={version}", member.format(i=i, j=i - 1 + first))
         for i in range(1, count + 1)

@@ -29,7 +29,7 @@ from torch import nn
 from . import cache as kv
 from .adapters import WeightSets
 from .config import BituneConfig
-from .masks import pass_mask, position_ids
+from .masks import concat_masks, pass_mask, position_ids
 from .mixer import Mixer
 
 CONFIG_FILE = "bitune_config.json"
@@ -136,15 +136,24 @@ class BituneModel(nn.Module):
     def _dtype(self) -> torch.dtype:
         return next(self.weights.base.parameters()).dtype
 
-    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights: str, kind: str):
-        """One pass over the prompt; returns its KV cache (B, n_kv, T, hs per layer)."""
-        if getattr(self.weights.base, 'is_activation_checkpointing', False) and self.training:
+    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights, kind):
+        """One forward over the prompt; returns its KV cache (per layer (B, n_kv, T, hs)).
+
+        ``weights`` and ``kind`` are one name each, or one per row (a batched pass over several row groups).
+        """
+        if getattr(self.weights.base, "is_activation_checkpointing", False) and self.training:
             raise ValueError("gradient checkpointing drops the prompt cache in training; disable it for Bitune")
         cache = kv.PromptCache(self.text_config, stop_after_layer=self.num_layers - 1)
-        attn = pass_mask(mask, kind, self._dtype, self.text_config, self.weights.base.config._attn_implementation)
+        impl = self.weights.base.config._attn_implementation
+        if isinstance(kind, str):
+            attn = pass_mask(mask, kind, self._dtype, self.text_config, impl)
+        else:
+            groups = [(k, m) for k, m in zip(kind, mask.split(mask.shape[0] // len(kind)))]
+            attn = concat_masks([pass_mask(m, k, self._dtype, self.text_config, impl) for k, m in groups])
+        call = self.weights.call if isinstance(weights, str) else self.weights.call_rows
         try:
-            self.weights.call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask),
-                              cache=cache, use_cache=True, logits_to_keep=1)
+            call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask),
+                 cache=cache, use_cache=True, logits_to_keep=1)
         except kv.PassComplete:
             pass
         kv.detach_stop(cache)
@@ -153,7 +162,14 @@ class BituneModel(nn.Module):
     def prompt_caches(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list:
         """The unmixed caches of this variant's prompt passes over the prompt without its last token."""
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
-        return [self._prompt_pass(ids, mask, weights, kind) for weights, kind in self.config.passes]
+        passes = self.config.passes
+        B = ids.shape[0]
+        names = [w for w, _ in passes for _ in range(B)]
+        if len(passes) == 1 or self.config.prompt_passes == "sequential" or not self.weights.can_route_rows(names):
+            return [self._prompt_pass(ids, mask, weights, kind) for weights, kind in passes]
+        weights = names if len({w for w, _ in passes}) > 1 else passes[0][0]
+        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), weights, [k for _, k in passes])
+        return kv.split_rows(cache, [B, B])  # (2B rows) -> pass A rows, pass B rows
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prefill:
         """Read a batch of left-padded prompts: prompt passes, then mixing.

@@ -30,7 +30,9 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 def _pack(prompt_ids: list[int], answer_ids: list[int], eos: int, max_length: int, example: Example) -> dict | None:
     if len(prompt_ids) < 2:
-        raise BituneError(f"example {example.id}: the prompt {example.prompt!r} is {len(prompt_ids)} token(s); at least 2 are needed")
+        raise BituneError(
+            f"example {example.id}: prompt {example.prompt!r} has {len(prompt_ids)} token(s), at least 2 are needed"
+        )
     answer_ids = [*answer_ids, eos]
     if len(prompt_ids) + len(answer_ids) > max_length:
         return None
@@ -102,4 +104,9 @@ class Collator:
             prompt_mask[i, P - p :] = 1
             answer_ids[i, :a] = torch.tensor(s["answer_ids"], dtype=torch.long)
             answer_mask[i, :a] = 1
-        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "answer_ids": answer_ids, "answer_mask": answer_mask}
+        return {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "answer_ids": answer_ids,
+            "answer_mask": answer_mask,
+        }

@@ -45,19 +45,22 @@ class DatasetInfo:
     """One line for help text."""
 
 
+_TVT = ("train", "validation", "test")
+_TV = ("train", "validation")
+
 DATASETS: dict[str, DatasetInfo] = {
     d.name: d
     for d in (
-        DatasetInfo("piqa", ("train", "validation"), "validation", ("train", "validation"), "PIQA physical commonsense, 2 choices"),
-        DatasetInfo("arc_challenge", ("train", "validation", "test"), "test", ("train", "validation", "test"), "ARC-Challenge science questions"),
-        DatasetInfo("arc_easy", ("train", "validation", "test"), "test", ("train", "validation", "test"), "ARC-Easy science questions"),
-        DatasetInfo("csqa", ("train", "validation"), "validation", ("train", "validation"), "CommonsenseQA, 5 choices"),
-        DatasetInfo("siqa", ("train", "validation"), "validation", ("train", "validation"), "Social IQa, 3 choices"),
-        DatasetInfo("mmlu", ("test", "validation", "dev"), "test", ("test", "validation", "dev"), "MMLU, 57 subjects, 4 choices"),
-        DatasetInfo("gsm8k", ("train", "test"), "test", ("test",), "GSM8K grade-school math with rationales"),
-        DatasetInfo("alpaca_demo", ("train", "validation"), None, ("train", "validation"), "LLaMA-Factory's Alpaca demo (985 unique rows; last 10% held out)"),
-        DatasetInfo("alpaca_cleaned", ("train", "validation"), None, (), "yahma/alpaca-cleaned (hub; last 1000 held out)"),
-        DatasetInfo("ultrafeedback", ("train", "validation"), None, (), "openbmb/UltraFeedback gpt-4 completions (hub; last 1000 held out)"),
+        DatasetInfo("piqa", _TV, "validation", _TV, "PIQA physical commonsense, 2 choices"),
+        DatasetInfo("arc_challenge", _TVT, "test", _TVT, "ARC-Challenge science questions, 3-5 choices"),
+        DatasetInfo("arc_easy", _TVT, "test", _TVT, "ARC-Easy science questions, 3-5 choices"),
+        DatasetInfo("csqa", _TV, "validation", _TV, "CommonsenseQA, 5 choices"),
+        DatasetInfo("siqa", _TV, "validation", _TV, "Social IQa, 3 choices"),
+        DatasetInfo("mmlu", ("test", "validation", "dev"), "test", ("test", "validation", "dev"), "MMLU, 57 subjects"),
+        DatasetInfo("gsm8k", ("train", "test"), "test", ("test",), "GSM8K grade-school math; train needs the hub"),
+        DatasetInfo("alpaca_demo", _TV, None, _TV, "LLaMA-Factory's Alpaca demo, 985 unique rows, last 10% held out"),
+        DatasetInfo("alpaca_cleaned", _TV, None, (), "yahma/alpaca-cleaned from the hub, last 1000 held out"),
+        DatasetInfo("ultrafeedback", _TV, None, (), "UltraFeedback gpt-4 answers (hub), last 1000 held out"),
     )
 }
 
@@ -73,7 +76,7 @@ def _question_from_query(query: str, where: str) -> str:
 def _olmo_choice_task(task: str) -> Callable[[str], list[Example]]:
     def load(split: str) -> list[Example]:
         return [
-            arc_example(_question_from_query(d["query"], f"{task} {d['id']}"), d["choices"], d["gold"], id=d["id"])
+            arc_example(_question_from_query(d["query"], f"{task} {d['id']}"), d["choices"], d["gold"], d["id"])
             for d in sources.olmo_task_docs(task, split)
         ]
 
@@ -90,7 +93,11 @@ def _piqa(split: str) -> list[Example]:
 def _siqa(split: str) -> list[Example]:
     return [
         siqa_example(
-            d["context"], d["question"], [d["answerA"], d["answerB"], d["answerC"]], int(d["label"]) - 1, id=str(d["index"])
+            d["context"],
+            d["question"],
+            [d["answerA"], d["answerB"], d["answerC"]],
+            int(d["label"]) - 1,  # "1".."3" -> 0..2
+            id=str(d["index"]),
         )
         for d in sources.olmo_task_docs("socialiqa", split)
     ]
@@ -141,7 +148,9 @@ def _alpaca_demo(split: str) -> list[Example]:
 
 def _alpaca_cleaned(split: str) -> list[Example]:
     rows = _hub_rows("yahma/alpaca-cleaned", None, "alpaca_cleaned")
-    examples = [instruction_example(r["instruction"], r["input"], r["output"], id=str(i)) for i, r in enumerate(rows)]
+    examples = [
+        instruction_example(r["instruction"], r["input"], r["output"], id=str(i)) for i, r in enumerate(rows)
+    ]
     return _hold_out(examples, split, HUB_VALIDATION_SIZE)
 
 
@@ -249,12 +258,13 @@ def load_examples(name: str, split: str, limit: int | None = None) -> list[Examp
         raise BituneError(f"limit must be a positive number of examples, got {limit}")
     if name.endswith((".json", ".jsonl")):
         if split != "train":
-            raise BituneError(f"a data file has a single split 'train', got {split!r}; pass another file for evaluation")
+            raise BituneError(f"a data file has one split, 'train', not {split!r}; pass another file to evaluate on")
         examples = load_file(name)
     else:
         info = DATASETS.get(name)
         if info is None:
-            raise BituneError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or a .json/.jsonl file")
+            choices = ", ".join(DATASETS)
+            raise BituneError(f"unknown dataset {name!r}; choose one of {choices} or a .json/.jsonl file")
         if split not in info.splits:
             raise BituneError(f"dataset {name} has no split {split!r}; choose one of {', '.join(info.splits)}")
         examples = _LOADERS[name](split)
