@@ -77,3 +77,34 @@ def test_eval_cli_end_to_end(checkpoint, monkeypatch):
 def test_eval_cli_rejects_unknown_task(checkpoint, capsys):
     assert main(["eval", "--checkpoint", str(checkpoint / "final"), "--tasks", "hellaswag"]) == 2
     assert "unknown task" in capsys.readouterr().err
+
+
+def test_sweep_parses_methods():
+    from bitune.errors import BituneError
+    from bitune.eval.sweep import parse_methods
+
+    methods = parse_methods("pretrained,lora,lora16,bitune,shared_weights")
+    assert [(m.variant, m.rank) for m in methods] == [("pretrained", None), ("lora", None), ("lora", 16),
+                                                      ("bitune", None), ("shared_weights", None)]
+    assert methods[2].overrides() == ["bitune.variant=lora", "bitune.rank=16"]
+    with pytest.raises(BituneError, match="unknown method"):
+        parse_methods("lora,prefix_tuning")
+
+
+def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "load_examples", fake_examples)
+    rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"model: {tmp_path / 'base'}\ndataset: {tmp_path / 'train.json'}\nsteps: 1\n"
+                      "grad_accum: 1\nlog_every: 1\nbf16: 'false'\n")
+    out = tmp_path / "sweep"
+    args = ["sweep", "--config", str(config), "--methods", "pretrained,bitune", "--seeds", "1,2",
+            "--tasks", "piqa", "--limit", "2", "--batch-size", "4", "--output-dir", str(out), "--device", "cpu"]
+    assert main(args) == 0
+    for run in ("pretrained", "bitune-1", "bitune-2"):
+        assert (out / run / "eval.json").is_file()
+    assert json.loads((out / "bitune-2" / "eval.json").read_text())["config"]["train_seed"] == 2
+    md = (out / "report.md").read_text()
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
+    assert main(args) == 0  # everything done: nothing is retrained or re-evaluated

@@ -132,42 +132,56 @@ def output_path(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise BituneError(f"--limit must be >= 1, got {args.limit}")
+    evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
+                 limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args))
+    return 0
+
+
+def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, base: str | None = None,
+                 tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
+                 dtype: str = "float32", seed: int = 1234, label: str | None = None,
+                 max_new_tokens: int | None = None, output: Path | None = None) -> dict:
+    """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
+
+    Returns:
+        The result record (see the module docstring).
+    """
     import torch
 
     from .lm import BituneLM, load_for_eval
     from .tasks import make_tasks
 
-    if args.limit is not None and args.limit < 1:
-        raise BituneError(f"--limit must be >= 1, got {args.limit}")
-    make_tasks(args.tasks)  # unknown task names fail before the model loads
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    make_tasks(tasks)  # unknown task names fail before the model loads
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    model, tokenizer = load_for_eval(args.checkpoint, args.model, args.base, args.dtype, device)
-    lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=args.batch_size)
+    model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device)
+    lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    metrics, timing = evaluate(lm, args.tasks, args.limit, args.seed, args.max_new_tokens)
+    metrics, timing = evaluate(lm, tasks, limit, seed, max_new_tokens)
     config = model.config
     record = {
         "schema": SCHEMA,
-        "label": args.label or default_label(config),
+        "label": label or default_label(config),
         "tasks": metrics,
         "config": {
-            "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
-            "model": config.base_model or args.model, "bitune": config.to_dict(),
-            "train_seed": _train_seed(Path(args.checkpoint)) if args.checkpoint else None,
-            "eval_seed": args.seed, "limit": args.limit, "batch_size": args.batch_size, "device": device,
-            "dtype": args.dtype, "num_fewshot": 0, "max_new_tokens": args.max_new_tokens, "versions": versions(),
+            "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
+            "model": config.base_model or model_name, "bitune": config.to_dict(),
+            "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
+            "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device,
+            "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     _print(record)
-    out = output_path(args)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"bitune eval: wrote {out}")
-    return 0
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"bitune eval: wrote {output}")
+    return record
 
 
 def _print(record: dict) -> None:
