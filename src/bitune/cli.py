@@ -50,9 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(VERBS[args.verb][0])
     try:
         return int(module.run(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"bitune {args.verb}: error: {msg}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"bitune {args.verb}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"bitune {args.verb}: interrupted", file=sys.stderr)
