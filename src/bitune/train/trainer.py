@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_pt_utils import safe_globals
 
 from ..errors import BituneError
 from ..model import BituneModel, read_config
@@ -239,7 +240,7 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
     out = Path(settings.output_dir)
     checkpoint = prepare_output_dir(out, settings, resume)
     if checkpoint is not None:
-        verify_checkpoint(checkpoint)
+        verify_checkpoint(checkpoint, trainer.model)
         truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
         print(f"bitune train: resuming from {checkpoint}")
     elif first_log is not None:
@@ -297,8 +298,13 @@ def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: 
     return found[-1] if resume and found else None
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Read every file of a checkpoint before training resumes, so corruption fails early with its name."""
+def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
+    """Read every file of a checkpoint before training resumes, so corruption fails early with its name.
+
+    Args:
+        path: the ``checkpoint-N`` folder.
+        model: when given, its weights are loaded from the checkpoint (strictly) as part of the check.
+    """
     try:
         json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -307,10 +313,18 @@ def verify_checkpoint(path: Path) -> None:
         if not (path / name).is_file():
             raise BituneError(f"checkpoint {path} is incomplete: {name} is missing")
         try:
-            torch.load(path / name, map_location="cpu", weights_only=True)
+            with safe_globals():  # the numpy types Trainer's own loader allows in the RNG state
+                torch.load(path / name, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several unrelated types for a damaged file
             raise BituneError(f"corrupt checkpoint file {path / name}: {type(e).__name__}") from e
     read_config(path)
+    if model is not None:
+        try:
+            model.load_weights(path)
+        except BituneError:
+            raise
+        except ValueError as e:
+            raise BituneError(str(e)) from e
 
 
 def truncate_log(path: Path, step: int) -> None:
