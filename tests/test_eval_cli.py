@@ -108,3 +108,17 @@ def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
     md = (out / "report.md").read_text()
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
     assert main(args) == 0  # everything done: nothing is retrained or re-evaluated
+
+
+def test_lm_eval_own_cli_runs_the_bitune_model_type(checkpoint, tmp_path, monkeypatch):
+    """lm-eval's CLI (through bitune.eval.harness, which registers the model type and the task folder)."""
+    from bitune.eval import harness
+
+    monkeypatch.setattr(data, "load_examples", fake_examples)
+    out = tmp_path / "lm_eval_out"
+    harness.main(["--model", "bitune", "--model_args", f"checkpoint={checkpoint / 'final'}", "--device", "cpu",
+                  "--tasks", "bitune_piqa", "--limit", "2", "--batch_size", "2", "--output_path", str(out)])
+    files = list(out.rglob("results_*.json"))
+    assert len(files) == 1
+    results = json.loads(files[0].read_text())["results"]["bitune_piqa"]
+    assert 0.0 <= results["acc,none"] <= 1.0

@@ -81,7 +81,7 @@ class BituneLM(TemplateLM):
 
     model_args: ``checkpoint=DIR`` (a Bitune checkpoint, any variant) or ``pretrained=NAME`` (a base model run as
     the ``pretrained`` variant); optional ``base=NAME``, ``batch_size`` (rows per forward, default 8),
-    ``device`` (default cpu), ``dtype`` (default float32), ``max_length`` (default: the model's
+    ``device`` (default cuda if available, else cpu), ``dtype`` (default float32), ``max_length`` (default: the model's
     ``max_position_embeddings``), ``max_gen_toks`` (default 256). In Python, pass ``model=`` (a BituneModel) and
     ``tokenizer=`` instead.
     """
@@ -91,7 +91,7 @@ class BituneLM(TemplateLM):
                  device: str | None = None, dtype: str = "float32", max_length: int | None = None,
                  max_gen_toks: int = 256, **unused):
         super().__init__()
-        device = device or "cpu"
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
             model, tokenizer = load_for_eval(checkpoint, pretrained, base, dtype, device)
         elif tokenizer is None:
