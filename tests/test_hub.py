@@ -139,7 +139,7 @@ def _greedy(model, tokenizer, prompt, n=12):
     ("name", "prompt", "expected"),
     [
         ("smollm2-135m", "The capital of France is", "Paris"),
-        ("gemma3-270m", "The capital of France is", "Paris"),
+        ("gemma3-270m", "Question: What is the capital of France?\n\nAnswer:", "Paris"),  # a base model
         ("qwen2.5-0.5b", "def fibonacci(n):", "return"),
     ],
 )
