@@ -34,10 +34,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = _Formatter
     parser.description = ("Train a Bitune model or a baseline (variant, method and hyperparameters from a YAML "
                           "config plus overrides). Examples:\n  bitune train --config configs/quickstart.yaml\n"
-                          "  bitune train --config configs/piqa.yaml --set seed=43 --set output_dir=runs/piqa-43")
+                          "  bitune train --config configs/tasks/piqa.yaml --set seed=43\n"
+                          "  bitune train --config configs/tasks/piqa.yaml --config configs/methods/lora16.yaml")
     parser.epilog = settings_help()
-    parser.add_argument("--config", metavar="FILE.yaml",
-                        help="YAML file of settings (see below); omitted: the defaults")
+    parser.add_argument("--config", action="append", metavar="FILE.yaml",
+                        help="YAML file of settings (see below); repeat to merge several in order, e.g. a task "
+                             "then configs/methods/lora16.yaml; omitted: the defaults")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set lr=1e-3 --set bitune.rank=16 (repeatable)")
     parser.add_argument("--resume", action="store_true",

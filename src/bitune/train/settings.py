@@ -74,8 +74,9 @@ class TrainSettings:
     """Write a resumable checkpoint every N steps (none: only the final model)."""
     save_total_limit: int | None = 2
     """Keep only the newest N checkpoints (none: keep all)."""
-    output_dir: str = "runs/bitune"
-    """Folder for checkpoints, the final model (``final/``), logs and the resolved settings."""
+    output_dir: str = "runs/{dataset}/{variant}-{method}-s{seed}"
+    """Folder for checkpoints, ``final/``, logs and settings; may use {dataset} {variant} {method} {rank}
+    {theta_init} {seed}."""
     num_workers: int = 0
     """Data loader worker processes."""
 
@@ -114,6 +115,16 @@ class TrainSettings:
                               "leave bitune.base_model unset (it is filled in from model)")
         if not self.output_dir:
             raise BituneError("output_dir must be a folder path")
+        self.output_dir = self._fill(self.output_dir)
+
+    def _fill(self, template: str) -> str:
+        names = {"dataset": Path(self.dataset).stem, "variant": self.bitune.variant, "method": self.bitune.method,
+                 "rank": self.bitune.rank, "theta_init": self.bitune.theta_init, "seed": self.seed}
+        try:
+            return template.format_map(names)
+        except (KeyError, ValueError, IndexError) as e:
+            raise BituneError(f"output_dir={template!r}: bad placeholder {e}; allowed: "
+                              f"{', '.join('{' + k + '}' for k in names)}") from e
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML/JSON-ready) of every setting."""
@@ -150,18 +161,23 @@ def field_docs(cls: type = TrainSettings) -> dict[str, str]:
     return docs
 
 
-def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainSettings:
-    """Read settings from a YAML file (following ``extends:``) and apply ``key=value`` overrides.
+def load_settings(path: str | Path | list[str | Path] | None = None,
+                  overrides: list[str] | tuple[str, ...] = ()) -> TrainSettings:
+    """Read settings from YAML files (following ``extends:``) and apply ``key=value`` overrides.
 
     Args:
-        path: YAML config file; ``None`` starts from the defaults.
+        path: YAML config file, or several merged in order (later ones win, sections merge key by key, so
+            ``[task.yaml, methods/lora16.yaml]`` trains the LoRA16 baseline on a task); ``None``: the defaults.
         overrides: ``"key=value"`` strings; dotted keys reach into sections (``bitune.rank=16``); values are
             parsed as YAML (``steps=100``, ``eval_split=null``).
 
     Raises:
         BituneError: unreadable file, malformed YAML, unknown key or invalid value.
     """
-    data = read_yaml(Path(path)) if path is not None else {}
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    data: dict[str, Any] = {}
+    for p in paths:
+        data = _merge(data, read_yaml(Path(p)))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():

@@ -1,0 +1,114 @@
+"""Training settings: YAML + overrides, validation messages that name the problem, the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bitune.cli import main
+from bitune.errors import BituneError
+from bitune.train.settings import TrainSettings, field_docs, load_settings
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    cfg = write(tmp_path / "a.yaml", "dataset: piqa\nlr: 1e-3\nbitune:\n  variant: lora\n  rank: 4\n")
+    s = load_settings(cfg, ["bitune.rank=16", "steps=5", "eval_split=null", "output_dir=out/{variant}-r{rank}"])
+    assert s.lr == 1e-3 and isinstance(s.lr, float)  # YAML 1.1 reads "1e-3" as text: converted
+    assert (s.bitune.variant, s.bitune.rank, s.steps, s.eval_split) == ("lora", 16, 5, None)
+    assert s.output_dir == "out/lora-r16"
+
+
+def test_extends_merges_sections(tmp_path):
+    write(tmp_path / "base.yaml", "lr: 0.1\nsteps: 7\nbitune:\n  rank: 4\n  theta_init: 0.1\n")
+    child = write(tmp_path / "child.yaml", "extends: base.yaml\nsteps: 9\nbitune:\n  rank: 2\n")
+    s = load_settings(child)
+    assert (s.lr, s.steps, s.bitune.rank, s.bitune.theta_init) == (0.1, 9, 2, 0.1)
+
+
+def test_several_configs_merge_in_order():
+    s = load_settings([CONFIGS / "tasks" / "piqa.yaml", CONFIGS / "methods" / "lora16.yaml"])
+    assert (s.dataset, s.lr, s.bitune.variant, s.bitune.rank) == ("piqa", 1e-3, "lora", 16)
+    assert s.output_dir == "runs/piqa/lora16-s42"
+
+
+@pytest.mark.parametrize("override, names", [
+    ("lrr=1", ["'lrr'", "did you mean 'lr'", "allowed: model"]),
+    ("bitune.rnak=4", ["'bitune.rnak'", "did you mean 'bitune.rank'", "theta_init"]),
+    ("bitune.variant=bidir", ["variant", "'bitune'", "'naive_bidir'"]),
+    ("steps=ten", ["steps", "int"]),
+    ("batch_size=0", ["batch_size"]),
+    ("bf16=maybe", ["bf16", "'auto'"]),
+    ("warmup_ratio=1.5", ["warmup_ratio"]),
+    ("eval_every=10", ["eval_every", "eval_split"]),
+    ("bitune.base_model=gemma3-270m", ["bitune.base_model", "model="]),
+    ("output_dir=runs/{model}", ["output_dir", "{dataset}"]),
+    ("lr", ["key=value"]),
+])
+def test_invalid_settings_are_named(override, names):
+    with pytest.raises(BituneError) as e:
+        load_settings(None, [override])
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(BituneError, match="not found"):
+        load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(BituneError, match="not valid YAML"):
+        load_settings(write(tmp_path / "bad.yaml", "lr: [1,\n"))
+    with pytest.raises(BituneError, match="mapping"):
+        load_settings(write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+    with pytest.raises(BituneError, match="cycle"):
+        load_settings(write(tmp_path / "loop.yaml", "extends: loop.yaml\n"))
+
+
+def test_every_field_has_a_docstring():
+    docs = field_docs(TrainSettings)
+    assert set(docs) == {f for f in TrainSettings.__dataclass_fields__}
+    assert all(docs.values())
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_config_validates(path):
+    s = load_settings(path)
+    assert s.model and s.dataset and "{" not in s.output_dir
+
+
+def test_paper_hyperparameters_in_configs():
+    uf = load_settings(CONFIGS / "instruct" / "ultrafeedback.yaml")
+    assert (uf.lr, uf.steps, uf.batch_size, uf.grad_accum, uf.warmup_ratio) == (3e-4, 3000, 1, 10, 0.1)
+    assert (uf.bitune.rank, uf.bitune.lora_alpha, uf.bitune.theta_init) == (8, 1.0, 0.01)
+    for task in ("piqa", "arc_challenge", "csqa", "siqa", "gsm8k"):
+        s = load_settings(CONFIGS / "tasks" / f"{task}.yaml")
+        assert (s.dataset, s.lr, s.max_length) == (task, 1e-3, 512)
+    assert load_settings(CONFIGS / "tasks" / "gsm8k.yaml").steps == 747
+
+
+def test_cli_typo_is_one_line_error(tmp_path, capsys):
+    cfg = write(tmp_path / "typo.yaml", "dataset: piqa\nlearning_rate: 1e-3\n")
+    assert main(["train", "--config", str(cfg), "--set", f"output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "learning_rate" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_dry_run_prints_resolved_settings(capsys):
+    assert main(["train", "--config", str(CONFIGS / "quickstart.yaml"), "--set", "seed=7", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "seed: 7" in out and "output_dir: runs/quickstart/bitune-s7" in out
+
+
+def test_cli_help_lists_every_setting(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for name in [*TrainSettings.__dataclass_fields__, "bitune.theta_init", "--resume", "--set"]:
+        assert name in out
