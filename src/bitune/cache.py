@@ -45,12 +45,19 @@ def num_layers(cache) -> int:
     return len(cache.layers)
 
 
-def mix_into(cache_c, cache_b, mix) -> None:
-    """Replace every layer's K/V of ``cache_c`` by ``mix(layer, K_c, K_b, V_c, V_b)``; other state is kept."""
+def mix_into(cache_c, cache_b, mix, start: int = 0) -> None:
+    """Replace every layer's K/V of ``cache_c`` by ``mix(layer, K_c, K_b, V_c, V_b)``; other state is kept.
+
+    Args:
+        start: positions before ``start`` (a shared history both caches extended) are kept as they are.
+    """
     if num_layers(cache_c) != num_layers(cache_b):
         raise ValueError("prompt caches have different numbers of layers")
     for i, (lc, lb) in enumerate(zip(cache_c.layers, cache_b.layers)):
-        lc.keys, lc.values = mix(i, lc.keys, lb.keys, lc.values, lb.values)
+        k, v = mix(i, lc.keys[..., start:, :], lb.keys[..., start:, :], lc.values[..., start:, :],
+                   lb.values[..., start:, :])
+        lc.keys = torch.cat([lc.keys[..., :start, :], k], dim=-2) if start else k
+        lc.values = torch.cat([lc.values[..., :start, :], v], dim=-2) if start else v
 
 
 def split_rows(cache, sizes: list[int]) -> list:
@@ -81,6 +88,22 @@ def select_rows(cache, index: torch.Tensor):
         layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
         layer.values = layer.values.index_select(0, index.to(layer.values.device))
     return out
+
+
+def extendable_copy(cache, config, rows: torch.Tensor, stop_after_layer: int | None):
+    """A prompt cache holding rows ``rows`` of ``cache`` (or an empty one), which a prompt pass can extend."""
+    if cache is None:
+        return PromptCache(config, stop_after_layer)
+    out = select_rows(cache, rows)
+    if not isinstance(out, PromptCache):
+        out.__class__ = PromptCache  # same state, plus the early stop
+    out.stop_after_layer = stop_after_layer
+    return out
+
+
+def length(cache) -> int:
+    """Number of cached positions (full-attention layers)."""
+    return cache.get_seq_length() if cache is not None else 0
 
 
 def detach_stop(cache) -> None:

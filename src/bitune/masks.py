@@ -53,7 +53,8 @@ def _allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> tor
 
 
 def pass_mask(
-    attention_mask: torch.Tensor, kind: str, dtype: torch.dtype, config, attn_implementation: str = "sdpa"
+    attention_mask: torch.Tensor, kind: str, dtype: torch.dtype, config, attn_implementation: str = "sdpa",
+    past_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The mask to pass as ``attention_mask`` for one prompt pass.
 
@@ -63,9 +64,11 @@ def pass_mask(
         dtype: the model's compute dtype (additive masks for eager attention must match it).
         config: the model's text config; its ``layer_types`` / ``sliding_window`` decide the form.
         attn_implementation: ``"eager"`` gets an additive float mask, sdpa/flex a boolean one (True = attend).
+        past_mask: (B, T_past) mask of tokens already in the cache, which every new token may see; None if the
+            cache is empty.
 
     Returns:
-        (B, 1, T, T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
+        (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
     """
     if attn_implementation not in ("eager", "sdpa", "flex_attention"):
         raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
@@ -74,6 +77,9 @@ def pass_mask(
 
     def build(window: int | None) -> torch.Tensor:
         allowed = _allowed(attention_mask, kind, window)  # (B, 1, T, T)
+        if past_mask is not None:
+            past = past_mask.bool()[:, None, None, :].expand(-1, 1, allowed.shape[2], -1)  # (B, 1, T, T_past)
+            allowed = torch.cat([past, allowed], dim=-1)  # (B, 1, T, T_past + T)
         if attn_implementation != "eager":
             return allowed
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(

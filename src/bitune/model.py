@@ -56,21 +56,23 @@ class BituneOutput:
 
 @dataclass
 class Prefill:
-    """A prompt read by the prompt passes, ready for an answer pass.
+    """A prompt read by the prompt passes, ready for an answer pass (or the state of a conversation).
 
     Attributes:
-        cache: KV cache of the prompt without its last token (mixed where the variant mixes).
-        mask: (B, P-1) attention mask of the cached tokens.
-        last_token: (B, 1) the prompt's last token, which opens the answer pass.
+        cache: KV cache of the tokens read so far, mixed where the variant mixes.
+        ids: (B, T) the token ids in the cache.
+        mask: (B, T) attention mask of the cached tokens.
+        last_token: (B, 1) the token that opens the next answer pass (not yet in the cache).
     """
 
     cache: object
+    ids: torch.Tensor
     mask: torch.Tensor
     last_token: torch.Tensor
 
     def select(self, index: torch.Tensor) -> "Prefill":
         """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
-        return Prefill(kv.select_rows(self.cache, index), self.mask[index], self.last_token[index])
+        return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
 
 
 class BituneModel(nn.Module):
@@ -136,53 +138,77 @@ class BituneModel(nn.Module):
     def _dtype(self) -> torch.dtype:
         return next(self.weights.base.parameters()).dtype
 
-    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights, kind):
-        """One forward over the prompt; returns its KV cache (per layer (B, n_kv, T, hs)).
+    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights, kind, past: Prefill | None = None):
+        """One forward over prompt tokens; returns its KV cache (per layer (B, n_kv, T_past + T, hs)).
 
-        ``weights`` and ``kind`` are one name each, or one per row (a batched pass over several row groups).
+        ``weights`` and ``kind`` are one name each, or one per row group (a batched pass over several groups,
+        each of ``B / groups`` rows). With ``past``, the new tokens also see every real token already cached
+        (a copy of ``past.cache`` is extended; the original is untouched).
         """
         if getattr(self.weights.base, "is_activation_checkpointing", False) and self.training:
             raise ValueError("gradient checkpointing drops the prompt cache in training; disable it for Bitune")
-        cache = kv.PromptCache(self.text_config, stop_after_layer=self.num_layers - 1)
+        B = ids.shape[0]
+        rows = torch.arange(B, device=ids.device) % (past.mask.shape[0] if past is not None else 1)
+        cache = kv.extendable_copy(past.cache if past is not None else None, self.text_config, rows,
+                                   stop_after_layer=self.num_layers - 1)
+        past_mask = past.mask[rows] if past is not None else None
         impl = self.weights.base.config._attn_implementation
-        if isinstance(kind, str):
-            attn = pass_mask(mask, kind, self._dtype, self.text_config, impl)
-        else:
-            groups = [(k, m) for k, m in zip(kind, mask.split(mask.shape[0] // len(kind)))]
-            attn = concat_masks([pass_mask(m, k, self._dtype, self.text_config, impl) for k, m in groups])
+        kinds = [kind] if isinstance(kind, str) else kind
+        group = B // len(kinds)
+        attn = concat_masks([
+            pass_mask(mask[g * group:(g + 1) * group], k, self._dtype, self.text_config, impl,
+                      past_mask[g * group:(g + 1) * group] if past_mask is not None else None)
+            for g, k in enumerate(kinds)])
+        offset = past_mask.sum(1) if past_mask is not None else None
         call = self.weights.call if isinstance(weights, str) else self.weights.call_rows
         try:
-            call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask),
+            call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask, offset),
                  cache=cache, use_cache=True, logits_to_keep=1)
         except kv.PassComplete:
             pass
         kv.detach_stop(cache)
         return cache
 
-    def prompt_caches(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list:
-        """The unmixed caches of this variant's prompt passes over the prompt without its last token."""
-        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
+    def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
+        """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
         passes = self.config.passes
         B = ids.shape[0]
         names = [w for w, _ in passes for _ in range(B)]
         if len(passes) == 1 or self.config.prompt_passes == "sequential" or not self.weights.can_route_rows(names):
-            return [self._prompt_pass(ids, mask, weights, kind) for weights, kind in passes]
+            return [self._prompt_pass(ids, mask, weights, kind, past) for weights, kind in passes]
         weights = names if len({w for w, _ in passes}) > 1 else passes[0][0]
-        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), weights, [k for _, k in passes])
+        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), weights, [k for _, k in passes], past)
         return kv.split_rows(cache, [B, B])  # (2B rows) -> pass A rows, pass B rows
 
-    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prefill:
-        """Read a batch of left-padded prompts: prompt passes, then mixing.
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Prefill | None = None) -> Prefill:
+        """Read a batch of left-padded prompts: prompt passes over all but the last token, then mixing.
 
         Args:
             prompt_ids: (B, P) left-padded token ids, every prompt at least 2 tokens.
             prompt_mask: (B, P) 1 for real tokens.
+            past: a conversation so far (from ``generate(..., return_state=True)``); the new prompt is read on
+                top of it with both passes (the paper's "alternating" multi-turn mode, A.8) after the token
+                that ended the previous answer.
         """
         _check_prompt(prompt_ids, prompt_mask)
-        caches = self.prompt_caches(prompt_ids, prompt_mask)
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
+        start = 0
+        if past is not None:
+            if past.ids.shape[0] != prompt_ids.shape[0]:
+                raise ValueError(f"past holds {past.ids.shape[0]} rows, the prompt batch {prompt_ids.shape[0]}")
+            window = getattr(self.text_config, "sliding_window", None)
+            if window and past.ids.shape[1] + prompt_ids.shape[1] >= window:
+                raise ValueError(f"this model has sliding-window layers ({window} tokens); a history this long "
+                                 "cannot be extended: re-read it whole (chat mode 'recompute')")
+            ids = torch.cat([past.last_token, ids], dim=1)  # (B, P): the previous answer's last token first
+            mask = torch.cat([torch.ones_like(past.last_token), mask], dim=1)
+            start = past.ids.shape[1]
+        caches = self.prompt_caches(ids, mask, past)
         if self.mixer is not None:
-            kv.mix_into(caches[0], caches[1], self.mixer)
-        return Prefill(caches[0], prompt_mask[:, :-1], prompt_ids[:, -1:])
+            kv.mix_into(caches[0], caches[1], self.mixer, start=start)
+        if past is not None:
+            ids, mask = torch.cat([past.ids, ids], dim=1), torch.cat([past.mask, mask], dim=1)
+        return Prefill(caches[0], ids, mask, prompt_ids[:, -1:])
 
     def answer_logits(self, prefill: Prefill, answer_ids: torch.Tensor, answer_mask: torch.Tensor,
                       reuse: bool = True) -> torch.Tensor:
@@ -231,7 +257,7 @@ class BituneModel(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int = 128,
                  do_sample: bool = False, tokenizer=None, stop_strings: list[str] | None = None,
-                 **generate_kwargs) -> torch.Tensor:
+                 past: Prefill | None = None, return_state: bool = False, **generate_kwargs):
         """Decode answers from the mixed prompt cache with transformers' ``generate``.
 
         The prompt passes prefill the cache once; ``generate`` then feeds the prompt's last token and decodes
@@ -244,21 +270,53 @@ class BituneModel(nn.Module):
             max_new_tokens: upper bound on generated tokens.
             tokenizer: needed for ``stop_strings``.
             stop_strings: stop a row once its text ends with one of these.
+            past: conversation state to continue (see :meth:`prefill`).
+            return_state: also return the conversation state after this answer (answers stay causal in it).
 
         Returns:
-            (B, N) the generated tokens only, padded with the pad token after a row stops.
+            (B, N) the generated tokens only, padded with the pad token after a row stops; with
+            ``return_state``, the pair (tokens, state).
         """
         if stop_strings and tokenizer is None:
             raise ValueError("generate(stop_strings=...) needs tokenizer=")
-        pre = self.prefill(prompt_ids, prompt_mask)
-        base = self.weights.base
+        pre = self.prefill(prompt_ids, prompt_mask, past)
         if stop_strings:
             generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
         if self.weights.peft:
             self.weights._use_adapter("causal")
-        out = base.generate(input_ids=prompt_ids, attention_mask=prompt_mask, cache=pre.cache,
-                            max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
-        return out[:, prompt_ids.shape[1]:]
+        input_ids = torch.cat([pre.ids, pre.last_token], dim=1)  # (B, T+1); all but the last are cached
+        attention_mask = torch.cat([pre.mask, torch.ones_like(pre.last_token)], dim=1)
+        out = self.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=pre.cache,
+                                         max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
+        new = out[:, input_ids.shape[1]:]
+        if not return_state:
+            return new
+        state = Prefill(pre.cache, out[:, :-1], torch.cat([attention_mask, torch.ones_like(new[:, :-1])], dim=1),
+                        out[:, -1:])
+        return new, state
+
+    @torch.no_grad()
+    def attention_maps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Attention of each prompt pass, averaged over layers and heads (paper A.12).
+
+        Returns:
+            ``{"<weights>/<mask>": (B, T, T)}`` per pass over the prompt without its last token; row = query.
+        """
+        _check_prompt(prompt_ids, prompt_mask)
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+        base = self.weights.base
+        impl = base.config._attn_implementation
+        base.set_attn_implementation("eager")
+        try:
+            maps = {}
+            for weights, kind in self.config.passes:
+                attn = pass_mask(mask, kind, self._dtype, self.text_config, "eager")
+                out = self.weights.call(weights, input_ids=ids, attention_mask=attn, output_attentions=True,
+                                        position_ids=position_ids(mask), logits_to_keep=1)
+                maps[f"{weights}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
+            return maps
+        finally:
+            base.set_attn_implementation(impl)
 
     # ----------------------------------------------------------------------------------------------- persistence
     def save_pretrained(self, directory: str | os.PathLike) -> None:
