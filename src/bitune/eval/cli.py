@@ -88,7 +88,8 @@ def task_metrics(results: dict) -> dict[str, dict[str, float]]:
 
     out = {}
     for task, metrics in results["results"].items():
-        clean = {k.split(",")[0]: v for k, v in metrics.items() if k not in ("alias", "sample_len") and isinstance(v, (int, float))}
+        clean = {k.split(",")[0]: v for k, v in metrics.items()
+                 if k not in ("alias", "sample_len") and isinstance(v, (int, float))}
         n = results.get("n-samples", {}).get(task, {})
         clean["n"] = n.get("effective", n.get("original"))
         out[task.removeprefix(PREFIX)] = clean
