@@ -264,14 +264,16 @@ def test_real_offline_data(name, split):
 
 
 @pytest.mark.integration
-def test_smollm2_tokenizer_split_points():
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
+def test_builtin_tokenizer_split_points(model):
     from bitune.hub import load_model
 
-    _, tok = load_model("smollm2-135m")
-    ex = load_examples("arc_challenge", "test", limit=1)[0]
-    sample = tokenize_example(tok, ex)
-    assert tok.decode(sample["prompt_ids"]) == ex.prompt  # SmolLM2 adds no BOS
-    assert sample["answer_ids"][-1] == tok.eos_token_id
-    assert tok.decode(sample["answer_ids"][:-1]) == ex.answer
-    joint = tok(ex.prompt + ex.answer)["input_ids"]
-    assert joint == sample["prompt_ids"] + sample["answer_ids"][:-1]
+    _, tok = load_model(model)
+    examples = load_examples("arc_challenge", "test", limit=50) + load_examples("gsm8k", "test", limit=50)
+    samples, dropped = tokenize_dataset(tok, examples, max_length=512)
+    assert dropped == 0
+    for ex, sample in zip(examples, samples):
+        assert tok.decode(sample["prompt_ids"], skip_special_tokens=True) == ex.prompt
+        assert sample["answer_ids"][-1] == tok.eos_token_id
+        assert tok.decode(sample["answer_ids"][:-1]) == ex.answer
+        assert tok(ex.prompt + ex.answer)["input_ids"] == sample["prompt_ids"] + sample["answer_ids"][:-1]

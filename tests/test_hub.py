@@ -57,6 +57,8 @@ def test_resolve_passes_folders_and_hub_ids(tiny_folder, cache):
     assert hub.resolve_model("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
     with pytest.raises(BituneError, match="does not exist.*smollm2-135m"):
         hub.resolve_model("./no/such/folder")
+    with pytest.raises(BituneError, match="did you mean the built-in 'smollm2-135m'"):
+        hub.resolve_model("smollm2-13m")
 
 
 def test_resolve_reuses_verified_cache(cache):

