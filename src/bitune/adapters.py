@@ -9,6 +9,8 @@ touches PEFT internals.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
@@ -61,7 +63,9 @@ class WeightSets(nn.Module):
                              "Bitune adds its own adapters")
         peft_config = _peft_config(config, model)
         try:
-            self.model = get_peft_model(model, peft_config, adapter_name="causal")
+            with warnings.catch_warnings():  # PEFT reads a property transformers 5 deprecated
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+                self.model = get_peft_model(model, peft_config, adapter_name="causal")
         except (ValueError, KeyError) as e:
             raise ValueError(f"PEFT cannot add {config.method} adapters to this model "
                              f"({type(model).__name__}): {e}") from e
