@@ -1,0 +1,218 @@
+"""Multi-turn chat with a Bitune model (paper A.8): :class:`Conversation` and the ``bitune chat`` verb.
+
+Two ways to carry a conversation:
+
+* ``recompute`` (A.8 A): every turn re-renders the whole history as one prompt and reads it with both prompt
+  passes, so earlier answers are read bidirectionally too.
+* ``alternating`` (A.8 B): the KV cache is kept between turns; each new user turn is read with both passes on
+  top of it and mixed, answers stay causal in the cache. Only the new turn's tokens are computed.
+
+The history is rendered with the tokenizer's chat template when it has one, else with the paper's template
+(``Question: ...\\n\\nAnswer: ...`` turns joined by a blank line). Answers stop at eos, at the template's
+end-of-turn token, and (paper template) at ``Question:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import BituneError
+from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, load, pad_left, \
+    paper_prompt, sampling_options
+
+HELP = "multi-turn chat with a checkpoint in the terminal"
+MODES = ("recompute", "alternating")
+PAPER_STOP = "Question:"
+_MARK = "\ue000"  # a private-use character, to find where the last answer ends in a rendered history
+
+
+class Conversation:
+    """A multi-turn conversation with a :class:`~bitune.model.BituneModel`.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        mode: ``"recompute"`` or ``"alternating"`` (see the module docstring).
+        template: ``"auto"`` (the tokenizer's chat template if it has one, else ``"paper"``), ``"chat"`` or
+            ``"paper"``.
+        max_new_tokens: cap on tokens per answer. Default 128.
+        stop: extra stop strings.
+        stream: print each answer to stdout as it is produced.
+        sampling: transformers ``generate`` options (``do_sample``, ``temperature``, ``top_p``, ...).
+
+    Attributes:
+        history: the turns so far, ``[{"role": "user" | "assistant", "content": str}, ...]``.
+    """
+
+    def __init__(self, model, tokenizer, mode: str = "recompute", template: str = "auto",
+                 max_new_tokens: int = 128, stop: list[str] | None = None, stream: bool = False, **sampling):
+        if mode not in MODES:
+            raise BituneError(f"chat mode {mode!r} is not one of {list(MODES)}")
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        if template == "auto":
+            template = "chat" if has_chat else "paper"
+        if template not in ("chat", "paper"):
+            raise BituneError(f"chat template {template!r} is not one of ['auto', 'chat', 'paper']")
+        if template == "chat" and not has_chat:
+            raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use template 'paper'")
+        self.model, self.tokenizer, self.mode, self.template = model, tokenizer, mode, template
+        self.max_new_tokens, self.stream, self.sampling = max_new_tokens, stream, sampling
+        self.stops = [*(stop or []), *([PAPER_STOP] if template == "paper" else [])]
+        self.eos_ids = self._end_of_turn_ids()
+        self.markers = [*self.stops, *(tokenizer.decode([i]) for i in self.eos_ids)]
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.history: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+        self.history = []
+        self._state = None  # alternating mode: the model's cache of the conversation so far
+        self._tail = ""  # text the model generated after its last answer (e.g. the eos), already in the cache
+
+    def say(self, text: str) -> str:
+        """Add a user turn, generate the answer, add it to the history and return it."""
+        messages = [*self.history, {"role": "user", "content": text}]
+        if self._state is None:
+            rendered = self.render(messages)
+            ids = self.tokenizer(rendered, add_special_tokens=self.template == "paper")["input_ids"]
+        else:
+            ids = self._new_turn_ids(messages)
+        device = next(self.model.parameters()).device
+        ids, mask = pad_left([ids], self.pad, device)  # (1, P)
+        out = self.model.generate(
+            ids, mask, past=self._state, return_state=self.mode == "alternating", max_new_tokens=self.max_new_tokens,
+            tokenizer=self.tokenizer, stop_strings=self.stops or None, eos_token_id=self.eos_ids,
+            pad_token_id=self.pad, streamer=StopStreamer(self.tokenizer, self.markers) if self.stream else None,
+            **self.sampling)
+        new, self._state = out if self.mode == "alternating" else (out, None)  # (1, N)
+        answer, self._tail = self._split_answer(self.tokenizer.decode(new[0], skip_special_tokens=False))
+        self.history = [*messages, {"role": "assistant", "content": answer}]
+        return answer
+
+    def save(self, path: str | Path) -> None:
+        """Write the conversation as JSON: ``{"mode", "template", "messages": history}``."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"mode": self.mode, "template": self.template, "messages": self.history},
+                                   indent=2, ensure_ascii=False) + "\n")
+
+    # ------------------------------------------------------------------------------------------- rendering
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The text of ``messages``; ending with a user turn, it ends with the prompt for the answer."""
+        if self.template == "chat":
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=messages[-1]["role"] == "user",
+                                                      tokenize=False)
+        turns = []
+        for m in messages:
+            if m["role"] == "user":
+                turns.append(paper_prompt(m["content"]))
+            else:
+                turns[-1] += f" {m['content']}"
+        return "\n\n".join(turns)
+
+    def _new_turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Tokens of the new user turn for alternating mode: the full rendering minus what is in the cache.
+
+        The cache holds the rendered history up to the end of the last answer, plus what the model generated
+        after it (``_tail``, e.g. the end-of-turn token). The new tokens are the difference between the
+        tokenization of the full rendering and of that prefix; where the two disagree at the boundary, the new
+        text is tokenized on its own.
+        """
+        marked = [*messages[:-2], {"role": "assistant", "content": messages[-2]["content"] + _MARK}, messages[-1]]
+        rendered = self.render(marked)
+        full = self.render(messages)
+        end = rendered.find(_MARK)
+        if end < 0 or rendered.replace(_MARK, "", 1) != full:
+            raise BituneError("the chat template changes the answer text; use mode 'recompute'")
+        if self._tail and full[end:].startswith(self._tail):
+            end += len(self._tail)  # the model already wrote the template's next characters
+        special = self.template == "paper"
+        full_ids = self.tokenizer(full, add_special_tokens=special)["input_ids"]
+        prefix_ids = self.tokenizer(full[:end], add_special_tokens=special)["input_ids"]
+        if full_ids[:len(prefix_ids)] == prefix_ids:
+            ids = full_ids[len(prefix_ids):]
+        else:
+            ids = self.tokenizer(full[end:], add_special_tokens=False)["input_ids"]
+        if len(ids) < 2:
+            raise BituneError(f"the new turn {full[end:]!r} is shorter than 2 tokens")
+        return ids
+
+    def _split_answer(self, raw: str) -> tuple[str, str]:
+        """(answer, tail) of a generated text: the answer before the first stop marker, stripped; the rest."""
+        cut = cut_at_stop(raw, self.markers).rstrip()
+        return cut.strip(), raw[len(cut):]
+
+    def _end_of_turn_ids(self) -> list[int]:
+        """eos, the model's generation eos ids, and the chat template's end-of-turn token."""
+        tok = self.tokenizer
+        ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        gen_eos = getattr(self.model.weights.base.generation_config, "eos_token_id", None)
+        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if self.template == "chat":
+            text = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                           tokenize=False)
+            after = tok(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"]
+            special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}))
+            if after and after[0] in special:
+                ids.append(after[0])
+        if not ids:
+            raise BituneError(f"tokenizer {tok.name_or_path!r} has no eos token to end answers with")
+        return list(dict.fromkeys(ids))
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = type("_F", (argparse.RawDescriptionHelpFormatter,
+                                         argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.description = (
+        "Chat with a Bitune checkpoint, one line per user turn, from the terminal or a pipe. Commands: /reset "
+        "(forget the conversation), /exit (or end of input). Examples:\n"
+        "  bitune chat --checkpoint runs/ultrafeedback/final\n"
+        "  bitune chat --checkpoint runs/ultrafeedback/final --mode alternating --save chat.json\n"
+        "  printf 'Hi!\\nWhat is 2+2?\\n/exit\\n' | bitune chat --checkpoint runs/ultrafeedback/final\n"
+        "Modes (paper A.8): recompute re-reads the whole history with both prompt passes every turn; "
+        "alternating keeps the cache and reads only each new user turn with both passes.")
+    add_model_options(parser)
+    parser.add_argument("--mode", choices=MODES, default="recompute", help="how the history is carried")
+    parser.add_argument("--template", choices=("auto", "chat", "paper"), default="auto",
+                        help="auto: the tokenizer's chat template if it has one, else paper "
+                             "('Question: ...\\n\\nAnswer: ...' turns)")
+    parser.add_argument("--save", metavar="FILE.json", help="write the conversation here when the chat ends")
+    add_sampling_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise BituneError("--max-new-tokens must be >= 1")
+    sampling = sampling_options(args)
+    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+    if args.seed is not None:
+        from transformers import set_seed
+        set_seed(args.seed)
+    conv = Conversation(model, tokenizer, mode=args.mode, template=args.template, max_new_tokens=args.max_new_tokens,
+                        stop=args.stop, stream=True, **sampling)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"bitune chat ({args.mode}, {conv.template} template): /reset clears the history, /exit quits")
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() == "/exit":
+                break
+            text = line.rstrip("\n")
+            if text.strip() == "/reset":
+                conv.reset()
+                print("(conversation reset)", flush=True)
+            elif text.strip():
+                conv.say(text)
+    finally:
+        if args.save:
+            conv.save(args.save)
+            print(f"bitune chat: conversation saved to {args.save}", file=sys.stderr)
+    return 0

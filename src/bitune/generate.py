@@ -1,0 +1,281 @@
+"""``bitune generate``: answers from a checkpoint (or a base model) for one prompt or a JSONL file of prompts.
+
+A prompt is wrapped in a template before tokenization: ``paper`` (the training template,
+``Question: {prompt}\\n\\nAnswer:``, tokenized with the tokenizer's special tokens as in training), ``chat`` (the
+tokenizer's chat template with the generation prompt) or ``none`` (the text as given). Decoding is greedy unless
+``--do-sample``; a single prompt is streamed to the terminal as it is produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TextStreamer
+
+from .errors import BituneError
+
+HELP = "generate answers from a checkpoint"
+TEMPLATES = ("paper", "chat", "none")
+
+
+# --------------------------------------------------------------------------------------------------- loading
+def load(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
+         dtype: str = "float32", device: str | None = None):
+    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+
+    Args:
+        checkpoint: a folder written by ``BituneModel.save_pretrained``.
+        model: a base model name or folder (instead of ``checkpoint``).
+        base: with ``checkpoint``, the base model to load instead of the recorded one.
+        dtype: parameter dtype name. Default float32.
+        device: torch device; default cuda if available, else cpu.
+
+    Returns:
+        ``(BituneModel, tokenizer)`` in eval mode; the tokenizer pads on the left.
+    """
+    from .config import BituneConfig
+    from .hub import load_model
+    from .model import BituneModel, read_config
+
+    if (checkpoint is None) == (model is None):
+        raise BituneError("give exactly one of --checkpoint DIR (a Bitune checkpoint) or --model NAME (a base model)")
+    if checkpoint is not None:
+        name = base or read_config(Path(checkpoint)).base_model
+        if not name:
+            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; pass --base NAME")
+        hf_model, tokenizer = load_model(name, dtype=dtype)
+        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model)
+    else:
+        hf_model, tokenizer = load_model(model, dtype=dtype)
+        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return bitune.to(device).eval(), tokenizer
+
+
+# --------------------------------------------------------------------------------------------------- prompts
+def paper_prompt(instruction: str, input: str | None = None) -> str:
+    """The paper's instruction template (:func:`bitune.data.templates.instruction_example`), prompt part."""
+    from .data.templates import instruction_example
+
+    return instruction_example(instruction, input, "").prompt
+
+
+def render(tokenizer, text: str, template: str = "paper") -> tuple[str, bool]:
+    """The prompt text for ``template`` and whether to add the tokenizer's special tokens when encoding it.
+
+    The chat template writes its own special tokens (BOS included), so it is encoded without them.
+    """
+    if template == "paper":
+        return paper_prompt(text), True
+    if template == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use --template paper")
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+    if template == "none":
+        return text, True
+    raise BituneError(f"--template {template!r} is not one of {list(TEMPLATES)}")
+
+
+def encode(tokenizer, texts: list[str], add_special_tokens: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(ids, mask)``, each (B, P), of already rendered prompts (at least 2 tokens each)."""
+    rows = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
+    return pad_left(rows, _pad_id(tokenizer), device)
+
+
+def pad_left(rows: list[list[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into left-padded (B, P) ids and mask."""
+    for i, r in enumerate(rows):
+        if len(r) < 2:
+            raise BituneError(f"prompt {i} has {len(r)} token(s); at least 2 are needed")
+    P = max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), pad, dtype=torch.long)  # (B, P)
+    mask = torch.zeros(len(rows), P, dtype=torch.long)  # (B, P)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):] = torch.tensor(r)
+        mask[i, P - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token")
+    return pad
+
+
+def cut_at_stop(text: str, stops: list[str] | None) -> str:
+    """``text`` up to the first occurrence of any stop string."""
+    ends = [i for i in (text.find(s) for s in stops or [] if s) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+# --------------------------------------------------------------------------------------------------- generation
+class StopStreamer(TextStreamer):
+    """transformers' ``TextStreamer`` (prints words as they are decoded) that never prints a stop string.
+
+    Text that could be the start of a stop string is held back until it is known not to be one.
+    """
+
+    def __init__(self, tokenizer, stops: list[str] | None = None, file=None):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.stops = [s for s in stops or [] if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.file = file
+        self.text = ""
+        self.shown = 0
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.text += text
+        cut = cut_at_stop(self.text, self.stops)
+        end = len(cut) if stream_end or len(cut) < len(self.text) else max(self.shown, len(cut) - self.hold)
+        print(self.text[self.shown:end], end="\n" if stream_end else "", flush=True, file=self.file or sys.stdout)
+        self.shown = max(self.shown, end)
+
+
+def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper", max_new_tokens: int = 128,
+                   stop: list[str] | None = None, batch_size: int = 8, stream: bool = False, **sampling) -> list[str]:
+    """Answers to ``prompts``, in order, in batches of left-padded prompts.
+
+    Args:
+        model: a :class:`~bitune.model.BituneModel`.
+        tokenizer: its tokenizer.
+        prompts: user texts, wrapped by ``template`` (see :func:`render`).
+        template: ``"paper"``, ``"chat"`` or ``"none"``.
+        max_new_tokens: cap on generated tokens per answer.
+        stop: stop strings; generation stops at one and the answer is cut before it.
+        batch_size: prompts per ``generate`` call.
+        stream: print the tokens to stdout as they are produced (needs a single prompt).
+        sampling: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ... for
+            transformers' ``generate``.
+
+    Returns:
+        One answer per prompt, stop strings and surrounding whitespace removed.
+    """
+    if stream and len(prompts) != 1:
+        raise BituneError("streaming needs a single prompt")
+    device = next(model.parameters()).device
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        rendered = [render(tokenizer, p, template) for p in prompts[start:start + batch_size]]
+        ids, mask = encode(tokenizer, [r for r, _ in rendered], rendered[0][1], device)
+        streamer = StopStreamer(tokenizer, stop) if stream else None
+        new = model.generate(ids, mask, max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+                             stop_strings=stop or None, pad_token_id=_pad_id(tokenizer), streamer=streamer,
+                             **sampling)  # (B, N)
+        for row in new:
+            answers.append(cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop).strip())
+    return answers
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """transformers ``generate`` keywords from the sampling flags (unset flags keep the model's defaults)."""
+    opts = {"do_sample": args.do_sample}
+    if args.do_sample:
+        opts.update({k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None})
+    elif any(getattr(args, k) is not None for k in ("temperature", "top_p", "top_k")):
+        raise BituneError("--temperature/--top-p/--top-k only apply with --do-sample")
+    if args.repetition_penalty is not None:
+        opts["repetition_penalty"] = args.repetition_penalty
+    return opts
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint/--model/--base/--device/--dtype, shared with ``bitune chat`` and ``bitune plot``."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a Bitune checkpoint folder (e.g. a run's final/)")
+    src.add_argument("--model", metavar="NAME", help="a base model name or folder, run untrained ('pretrained')")
+    parser.add_argument("--base", metavar="NAME", help="with --checkpoint: base model to load instead of the "
+                        "one the checkpoint records")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """Decoding flags, shared with ``bitune chat``."""
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="cap on generated tokens per answer")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (with --do-sample)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (with --do-sample)")
+    parser.add_argument("--top-k", type=int, help="sample among the k most likely tokens (with --do-sample)")
+    parser.add_argument("--repetition-penalty", type=float, help="transformers' repetition penalty (> 1 penalises)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop an answer at this text (repeatable); the text is cut off")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (sampling)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = type("_F", (argparse.RawDescriptionHelpFormatter,
+                                         argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.description = (
+        "Generate answers with a Bitune checkpoint (prompt read by both passes, answer decoded causally) or a "
+        "base model. Examples:\n"
+        "  bitune generate --checkpoint runs/alpaca/final --prompt 'Name three primary colors.'\n"
+        "  bitune generate --checkpoint runs/alpaca/final --input prompts.jsonl --output answers.jsonl\n"
+        "  bitune generate --model smollm2-135m --template chat --prompt 'Hi!' --do-sample --temperature 0.7\n"
+        "Input JSONL: one object per line with 'prompt' (or 'instruction' and optional 'input'); the output "
+        "repeats each object with an 'output' field.")
+    add_model_options(parser)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="one prompt; the answer is streamed to the terminal")
+    what.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
+    parser.add_argument("--output", metavar="FILE.jsonl", help="with --input: where answers go (default: stdout)")
+    parser.add_argument("--template", choices=TEMPLATES, default="paper",
+                        help="paper: 'Question: {prompt}\\n\\nAnswer:' (the training template); chat: the "
+                             "tokenizer's chat template; none: the prompt as given")
+    parser.add_argument("--batch-size", type=int, default=8, help="with --input: prompts per generate call")
+    add_sampling_options(parser)
+
+
+def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
+    """Records of a JSONL prompt file and the prompt text of each (``prompt``, or ``instruction`` [+ ``input``])."""
+    if not path.is_file():
+        raise BituneError(f"--input {path}: no such file")
+    records, prompts = [], []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not ({"prompt", "instruction"} & set(record)):
+            raise BituneError(f"{path}:{n}: needs a 'prompt' or an 'instruction' field")
+        text = record.get("prompt")
+        if text is None:
+            text = f"{record['instruction']}\n{record['input']}" if record.get("input") else record["instruction"]
+        records.append(record)
+        prompts.append(str(text))
+    if not records:
+        raise BituneError(f"--input {path} holds no prompts")
+    return records, prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise BituneError("--max-new-tokens and --batch-size must be >= 1")
+    if args.output and not args.input:
+        raise BituneError("--output needs --input (a single --prompt is printed)")
+    sampling = sampling_options(args)
+    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+    if args.seed is not None:
+        from transformers import set_seed
+        set_seed(args.seed)
+    common = dict(template=args.template, max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling)
+    if args.prompt is not None:
+        generate_texts(model, tokenizer, [args.prompt], stream=True, **common)
+        return 0
+    records, prompts = read_prompts(Path(args.input))
+    answers = generate_texts(model, tokenizer, prompts, batch_size=args.batch_size, **common)
+    lines = "".join(json.dumps({**r, "output": a}) + "\n" for r, a in zip(records, answers))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(lines)
+        print(f"bitune generate: {len(answers)} answers written to {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(lines)
+    return 0
