@@ -1,0 +1,194 @@
+"""``bitune plot``: the paper's figures of a run and a checkpoint.
+
+* ``mixing`` (paper A.5, figures 2-3): the mixing ratios a_k and a_v (eq. 8) of every layer over the training
+  steps, read from a run's ``log.jsonl``, and their final value per layer.
+* ``attention`` (paper A.12): the attention of the causal and the bidirectional prompt pass over one prompt,
+  averaged over layers and heads, side by side.
+
+matplotlib is imported only here, and only its object-oriented API is used (no pyplot, no global backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import BituneError
+
+HELP = "plot mixing ratios over training and attention maps"
+STEPS_FILE = "mixing_over_steps.png"
+FINAL_FILE = "mixing_final.png"
+ATTENTION_FILE = "attention.png"
+PASS_TITLES = {"causal/causal": "causal pass (causal weights, causal mask)",
+               "bidir/bidirectional": "bidirectional pass (bidir weights, no mask)",
+               "causal/bidirectional": "bidirectional pass (causal weights, no mask)",
+               "bidir/causal": "second causal pass (bidir weights)",
+               "bidir/anti_causal": "anti-causal pass (bidir weights)"}
+
+
+# --------------------------------------------------------------------------------------------------- mixing
+def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[float]]]]:
+    """Steps and per-layer mixing ratios of a training log.
+
+    Args:
+        path: a run's ``log.jsonl`` (lines with ``step`` and ``a_k`` / ``a_v`` lists, one value per layer).
+
+    Returns:
+        ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise BituneError(f"--log {path}: no such file")
+    steps, ratios = [], {"k": [], "v": []}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+        if "a_k" not in record or "a_v" not in record:
+            continue
+        if len(record["a_k"]) != len(record["a_v"]) or (ratios["k"] and len(record["a_k"]) != len(ratios["k"][0])):
+            raise BituneError(f"{path}:{n}: a_k/a_v have a different number of layers than earlier lines")
+        steps.append(int(record["step"]))
+        ratios["k"].append([float(a) for a in record["a_k"]])
+        ratios["v"].append([float(a) for a in record["a_v"]])
+    if not steps:
+        raise BituneError(f"{path} holds no mixing ratios (a_k/a_v): is it the log of a variant that mixes?")
+    return steps, ratios
+
+
+def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
+    """Figure 2 (a per layer over steps, panels K and V) and figure 3 (final a per layer) as matplotlib Figures."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    L = len(ratios["k"][0])
+    cmap, norm = colormaps["viridis"], Normalize(0, max(L - 1, 1))
+    curves = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = curves.subplots(1, 2, sharey=True)
+    for ax, key in zip(axes, ("k", "v")):
+        per_layer = torch.tensor(ratios[key]).T  # (L, S)
+        for layer, values in enumerate(per_layer):
+            ax.plot(steps, values.tolist(), color=cmap(norm(layer)), linewidth=1.2)
+        ax.set_title(f"$a_{key}$ ({key.upper()} features) per layer")
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("bidirectional-to-causal ratio a")
+    curves.colorbar(ScalarMappable(norm, cmap), ax=axes, label="layer index")
+    curves.suptitle("Mixing ratios over training (paper fig. 2)")
+
+    final = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = final.subplots()
+    layers = list(range(L))
+    for key, marker in (("k", "o"), ("v", "s")):
+        ax.plot(layers, ratios[key][-1], marker=marker, label=f"$a_{key}$")
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="initial value 0.5")
+    ax.set_xlabel("layer index")
+    ax.set_ylabel("bidirectional-to-causal ratio a")
+    ax.set_title(f"Mixing ratios after training, step {steps[-1]} (paper fig. 3)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return curves, final
+
+
+def plot_mixing(log: str | Path, output_dir: str | Path) -> list[Path]:
+    """Write :data:`STEPS_FILE` and :data:`FINAL_FILE` for a run's ``log.jsonl`` into ``output_dir``."""
+    curves, final = mixing_figures(*read_mixing_log(log))
+    return [_save(curves, output_dir, STEPS_FILE), _save(final, output_dir, FINAL_FILE)]
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """One short printable label per token id (spaces shown as ``␣``, newlines as ``\\n``)."""
+    return [tokenizer.decode([i]).replace(" ", "␣").replace("\n", "\\n") or str(i) for i in ids]
+
+
+def attention_figure(maps: dict[str, torch.Tensor], labels: list[str] | None = None, max_labels: int = 40):
+    """Side-by-side heatmaps of (T, T) attention maps (row = query token, column = key token).
+
+    Args:
+        maps: ``{"<weights>/<mask>": (T, T)}`` as :meth:`BituneModel.attention_maps` returns them (one row).
+        labels: the T token labels, drawn on both axes when T <= ``max_labels``.
+    """
+    from matplotlib.figure import Figure
+
+    T = next(iter(maps.values())).shape[-1]
+    show = labels is not None and T <= max_labels
+    side = 4.2 + (0.12 * T if show else 0)
+    fig = Figure(figsize=(side * len(maps) + 1, side), layout="constrained")
+    axes = fig.subplots(1, len(maps), squeeze=False)[0]
+    vmax = max(float(m.max()) for m in maps.values())
+    for ax, (name, attn) in zip(axes, maps.items()):
+        image = ax.imshow(attn.float().cpu().numpy(), cmap="Blues", vmin=0.0, vmax=vmax, interpolation="nearest")
+        ax.set_title(PASS_TITLES.get(name, name))
+        ax.set_xlabel("key token (attended to)")
+        ax.set_ylabel("query token")
+        if show:
+            ax.set_xticks(range(T), labels, rotation=90, fontsize=7)
+            ax.set_yticks(range(T), labels, fontsize=7)
+    fig.colorbar(image, ax=axes, label="attention (mean over layers and heads)", shrink=0.8)
+    fig.suptitle("Prompt attention, averaged over layers and heads (paper A.12)")
+    return fig
+
+
+def plot_attention(model, tokenizer, prompt: str, output_dir: str | Path, template: str = "paper",
+                   max_labels: int = 40) -> Path:
+    """Write :data:`ATTENTION_FILE`: the attention maps of each prompt pass of ``model`` over ``prompt``.
+
+    The passes read the prompt without its last token (which opens the answer), so that token is not shown.
+    """
+    from .generate import encode, render
+
+    text, special = render(tokenizer, prompt, template)
+    ids, mask = encode(tokenizer, [text], special, next(model.parameters()).device)  # (1, P)
+    maps = {name: m[0] for name, m in model.attention_maps(ids, mask).items()}  # (T, T) each, T = P - 1
+    fig = attention_figure(maps, token_labels(tokenizer, ids[0, :-1].tolist()), max_labels)
+    return _save(fig, output_dir, ATTENTION_FILE)
+
+
+def _save(fig, output_dir: str | Path, name: str) -> Path:
+    path = Path(output_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+def configure(parser: argparse.ArgumentParser) -> None:
+    from .generate import TEMPLATES, add_model_options
+
+    parser.description = ("Plot the paper's figures. Examples:\n"
+                          "  bitune plot mixing --log runs/alpaca/log.jsonl --output figures/\n"
+                          "  bitune plot attention --checkpoint runs/gsm8k/final --prompt 'What is 2+3?' "
+                          "--output figures/")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="figure", metavar="FIGURE", required=True)
+    mixing = sub.add_parser("mixing", help="a_k and a_v per layer over training and after it (paper fig. 2-3)",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mixing.add_argument("--log", required=True, metavar="RUN/log.jsonl", help="a training run's log")
+    mixing.add_argument("--output", required=True, metavar="DIR", help=f"folder for {STEPS_FILE} and {FINAL_FILE}")
+    attention = sub.add_parser("attention", help="causal vs bidirectional prompt attention maps (paper A.12)",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_options(attention)
+    attention.add_argument("--prompt", required=True, help="the prompt to read")
+    attention.add_argument("--template", choices=TEMPLATES, default="paper", help="how the prompt is wrapped")
+    attention.add_argument("--max-labels", type=int, default=40, help="label the axes with tokens up to this length")
+    attention.add_argument("--output", required=True, metavar="DIR", help=f"folder for {ATTENTION_FILE}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.figure == "mixing":
+        paths = plot_mixing(args.log, args.output)
+    else:
+        from .generate import load
+
+        model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+        paths = [plot_attention(model, tokenizer, args.prompt, args.output, args.template, args.max_labels)]
+    for p in paths:
+        print(f"bitune plot: wrote {p}")
+    return 0
