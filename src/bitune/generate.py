@@ -174,6 +174,8 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
 
 def sampling_options(args: argparse.Namespace) -> dict:
     """transformers ``generate`` keywords from the sampling flags (unset flags keep the model's defaults)."""
+    if not all(isinstance(s, str) and s for s in args.stop):
+        raise BituneError("--stop needs a non-empty text (write --stop=TEXT for a text starting with '-')")
     opts = {"do_sample": args.do_sample}
     if args.do_sample:
         opts.update({k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None})
