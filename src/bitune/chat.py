@@ -67,6 +67,12 @@ class Conversation:
         self.history: list[dict[str, str]] = []
         self.reset()
 
+    @property
+    def state(self):
+        """Alternating mode: the model's :class:`~bitune.model.Prefill` of the conversation so far (None before
+        the first turn and in recompute mode). Its ``ids`` plus ``last_token`` are every token read or written."""
+        return self._state
+
     def reset(self) -> None:
         """Forget the conversation."""
         self.history = []

@@ -1,0 +1,122 @@
+"""Multi-turn chat (paper A.8): both modes against single-turn generation, the alternating cache, the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from conftest import PAD
+from eval_helpers import tiny_tokenizer
+from gen_helpers import CHAT_TEMPLATE, one_thread, save_checkpoint, tiny_bitune  # noqa: F401 (autouse fixture)
+
+from bitune.cache import layer_kv
+from bitune.chat import Conversation
+from bitune.cli import main
+from bitune.generate import generate_texts
+
+TURNS = ["what is 2+2?", "and 3+3?", "why?"]
+
+
+def test_alternating_first_turn_equals_single_turn_generation():
+    tok, model = tiny_tokenizer(), tiny_bitune()
+    single = generate_texts(model, tok, [TURNS[0]], max_new_tokens=8, stop=["Question:"])[0]
+    for mode in ("alternating", "recompute"):
+        assert Conversation(model, tok, mode, max_new_tokens=8).say(TURNS[0]) == single
+
+
+def test_recompute_equals_single_turn_generation_on_the_concatenated_history():
+    tok, model = tiny_tokenizer(), tiny_bitune()
+    conv = Conversation(model, tok, "recompute", max_new_tokens=6)
+    answers = [conv.say(t) for t in TURNS]
+    history = "\n\n".join(f"Question: {u}\n\nAnswer: {a}" for u, a in zip(TURNS[:2], answers[:2]))
+    prompt = f"{history}\n\nQuestion: {TURNS[2]}\n\nAnswer:"
+    assert answers[2] == generate_texts(model, tok, [prompt], template="none", max_new_tokens=6,
+                                        stop=["Question:"])[0]
+    assert [m["content"] for m in conv.history[::2]] == TURNS and [m["content"] for m in conv.history[1::2]] == answers
+
+
+def _greedy_causal(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """n greedy tokens of a plain causal forward of the causal weights over ``ids`` (1, T), no cache."""
+    for _ in range(n):
+        nxt = model.weights.call("causal", input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+        ids = torch.cat([ids, nxt], 1)
+    return ids[:, -n:]
+
+
+def test_alternating_with_zero_mixing_is_a_plain_causal_continuation_of_the_history():
+    model = tiny_bitune()
+    with torch.no_grad():
+        model.mixer.theta_k.zero_()  # a_k = a_v = 0: the mixed features are the causal ones
+        model.mixer.theta_v.zero_()
+    g = torch.Generator().manual_seed(0)
+    p1, p2 = torch.randint(3, 64, (1, 6), generator=g), torch.randint(3, 64, (1, 4), generator=g)
+    opts = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=PAD, return_state=True)
+    new1, state = model.generate(p1, torch.ones_like(p1), **opts)
+    new2, _ = model.generate(p2, torch.ones_like(p2), past=state, **opts)
+    assert torch.equal(new2, _greedy_causal(model, torch.cat([p1, new1, p2], 1), 5))
+
+
+def test_alternating_mixes_only_the_new_turn_and_leaves_the_history_cache_alone():
+    model = tiny_bitune()
+    g = torch.Generator().manual_seed(1)
+    p1, p2 = torch.randint(3, 64, (1, 6), generator=g), torch.randint(3, 64, (1, 4), generator=g)
+    _, state = model.generate(p1, torch.ones_like(p1), max_new_tokens=4, eos_token_id=None, pad_token_id=PAD,
+                              return_state=True)
+    mixed = model.prefill(p2, torch.ones_like(p2), past=state)
+    with torch.no_grad():
+        model.mixer.theta_k.zero_()
+        model.mixer.theta_v.zero_()
+    causal = model.prefill(p2, torch.ones_like(p2), past=state)
+    H = state.ids.shape[1]  # history tokens in the cache
+    assert mixed.ids.shape[1] == H + p2.shape[1]  # the previous answer's last token + the new turn but its last
+    for layer in range(model.num_layers):
+        for a, b in zip(layer_kv(mixed.cache, layer), layer_kv(causal.cache, layer)):  # (1, n_kv, T, hs)
+            torch.testing.assert_close(a[:, :, :H], b[:, :, :H], atol=0, rtol=0)
+            assert not torch.allclose(a[:, :, H:], b[:, :, H:])
+
+
+def test_alternating_cache_holds_exactly_the_rendered_chat():
+    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok.chat_template = CHAT_TEMPLATE
+    no_space = [0, 2, 3, *tok.convert_tokens_to_ids([" ", "\n"])]  # answers without edge whitespace or specials
+    conv = Conversation(model, tok, "alternating", max_new_tokens=4, suppress_tokens=no_space, forced_eos_token_id=1)
+    assert conv.template == "chat"
+    for turn in TURNS[:2]:
+        conv.say(turn)
+    cached = torch.cat([conv.state.ids[0], conv.state.last_token[0]]).tolist()
+    assert tok.decode(cached) + "\n" == conv.render(conv.history)  # "...assistant: a2</s>" + the template's "\n"
+    assert conv.render(conv.history).count("</s>") == 4
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.mark.parametrize("mode", ["alternating", "recompute"])
+def test_chat_cli_reads_a_pipe_answers_two_turns_and_exits(saved, mode, tmp_path, monkeypatch, capsys):
+    ckpt, model = saved
+    out = tmp_path / "chat.json"
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hello\n/reset\n{TURNS[0]}\n\n{TURNS[1]}\n/exit\nnever read\n"))
+    assert main(["chat", "--checkpoint", str(ckpt), "--mode", mode, "--max-new-tokens", "6", "--save", str(out),
+                 "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    saved_chat = json.loads(out.read_text())
+    assert saved_chat["mode"] == mode and saved_chat["template"] == "paper"
+    messages = saved_chat["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+    assert [m["content"] for m in messages[::2]] == TURNS[:2]  # /reset forgot "hello"; "never read" was not read
+    conv = Conversation(model, tiny_tokenizer(), mode, max_new_tokens=6)
+    expected = [conv.say(t) for t in TURNS[:2]]
+    assert [m["content"] for m in messages[1::2]] == expected
+    assert len(printed) == 4 and printed[1] == "(conversation reset)"  # answer to "hello", reset, two answers
+    assert [line.strip() for line in printed[2:]] == expected  # the streamed text is the answer
+
+
+def test_chat_cli_ends_at_end_of_input(saved, monkeypatch, capsys):
+    ckpt, _ = saved
+    monkeypatch.setattr("sys.stdin", io.StringIO(TURNS[0]))  # no newline, no /exit
+    assert main(["chat", "--checkpoint", str(ckpt), "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
