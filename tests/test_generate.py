@@ -96,8 +96,8 @@ def test_user_errors_exit_2_with_one_line(saved, tmp_path, capsys):
     ckpt, _ = saved
     cases = [["--prompt", "x", "--temperature", "0.5"],  # sampling option without --do-sample
              ["--input", str(tmp_path / "missing.jsonl")],
-             ["--prompt", "x", "--template", "chat"],
-             ["--prompt", "x", "--stop=--"]]  # argparse reads '--' as the end of options: no stop text  # the tiny tokenizer has no chat template
+             ["--prompt", "x", "--template", "chat"],  # the tiny tokenizer has no chat template
+             ["--prompt", "x", "--stop=--"]]  # argparse reads '--' as the end of options: no stop text
     for extra in cases:
         assert main(["generate", "--checkpoint", str(ckpt), "--device", "cpu", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -37,12 +37,13 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
         path: a run's ``log.jsonl`` (lines with ``step`` and ``a_k`` / ``a_v`` lists, one value per layer).
 
     Returns:
-        ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order.
+        ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order; where a step is logged twice
+        (Trainer's end-of-training summary repeats the last step), its last line counts.
     """
     path = Path(path)
     if not path.is_file():
         raise BituneError(f"--log {path}: no such file")
-    steps, ratios = [], {"k": [], "v": []}
+    by_step: dict[int, tuple[list[float], list[float]]] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         try:
             record = json.loads(line)
@@ -50,14 +51,14 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
             raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
         if "a_k" not in record or "a_v" not in record:
             continue
-        if len(record["a_k"]) != len(record["a_v"]) or (ratios["k"] and len(record["a_k"]) != len(ratios["k"][0])):
+        L = len(next(iter(by_step.values()))[0]) if by_step else len(record["a_k"])
+        if not len(record["a_k"]) == len(record["a_v"]) == L:
             raise BituneError(f"{path}:{n}: a_k/a_v have a different number of layers than earlier lines")
-        steps.append(int(record["step"]))
-        ratios["k"].append([float(a) for a in record["a_k"]])
-        ratios["v"].append([float(a) for a in record["a_v"]])
-    if not steps:
+        by_step[int(record["step"])] = ([float(a) for a in record["a_k"]], [float(a) for a in record["a_v"]])
+    if not by_step:
         raise BituneError(f"{path} holds no mixing ratios (a_k/a_v): is it the log of a variant that mixes?")
-    return steps, ratios
+    steps = sorted(by_step)
+    return steps, {"k": [by_step[s][0] for s in steps], "v": [by_step[s][1] for s in steps]}
 
 
 def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
@@ -72,9 +73,8 @@ def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
     curves = Figure(figsize=(11, 4.2), layout="constrained")
     axes = curves.subplots(1, 2, sharey=True)
     for ax, key in zip(axes, ("k", "v")):
-        per_layer = torch.tensor(ratios[key]).T  # (L, S)
-        for layer, values in enumerate(per_layer):
-            ax.plot(steps, values.tolist(), color=cmap(norm(layer)), linewidth=1.2)
+        for layer in range(L):
+            ax.plot(steps, [r[layer] for r in ratios[key]], color=cmap(norm(layer)), linewidth=1.2)
         ax.set_title(f"$a_{key}$ ({key.upper()} features) per layer")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)

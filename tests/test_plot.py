@@ -1,0 +1,113 @@
+"""``bitune plot``: the mixing figures drawn from a real training log, the attention maps of a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import CONFIGS, EOS, VOCAB
+from eval_helpers import tiny_tokenizer
+from gen_helpers import one_thread, save_checkpoint, tiny_bitune  # noqa: F401 (autouse fixture)
+
+from bitune import BituneModel
+from bitune.cli import main
+from bitune.data.collate import Collator
+from bitune.generate import encode, render
+from bitune.plot import FINAL_FILE, STEPS_FILE, attention_figure, mixing_figures, read_mixing_log, token_labels
+from bitune.train.settings import TrainSettings
+from bitune.train.trainer import LOG_FILE, build_trainer, run_training
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """Three real training steps of a 3-layer tiny Llama: (run folder, trained model)."""
+    out = tmp_path_factory.mktemp("plot") / "run"
+    settings = TrainSettings.from_dict(dict(model="tiny", dataset="tiny", output_dir=str(out), batch_size=2,
+                                            grad_accum=1, steps=3, lr=5e-2, log_every=1, seed=0,
+                                            bitune={"variant": "bitune"}))
+    transformers.set_seed(0)
+    config = CONFIGS["llama"]()
+    config.num_hidden_layers = LAYERS
+    model = BituneModel.wrap(transformers.AutoModelForCausalLM.from_config(config).eval(), settings.bitune)
+    g = torch.Generator().manual_seed(0)
+    data = [{"prompt_ids": torch.randint(3, VOCAB, (4,), generator=g).tolist(),
+             "answer_ids": torch.randint(3, VOCAB, (2,), generator=g).tolist() + [EOS]} for _ in range(6)]
+    torch.set_num_threads(1)
+    run_training(build_trainer(model, settings, data, None, Collator(0), tensorboard=False), settings)
+    return out, model
+
+
+def test_mixing_figures_have_one_curve_per_layer_and_end_at_the_trained_ratios(trained_run):
+    run, model = trained_run
+    steps, ratios = read_mixing_log(run / LOG_FILE)
+    assert steps == [1, 2, 3]
+    curves, final = mixing_figures(steps, ratios)
+    panels = [ax for ax in curves.axes if ax.get_lines()]
+    assert len(panels) == 2 and len(curves.axes) == 3  # K, V and the layer colorbar
+    for ax, key in zip(panels, ("k", "v")):
+        assert len(ax.get_lines()) == LAYERS
+        for layer, line in enumerate(ax.get_lines()):
+            assert list(line.get_xdata()) == steps
+            assert list(line.get_ydata()) == [r[layer] for r in ratios[key]]
+        assert ax.get_xlabel() == "training step" and f"a_{key}" in ax.get_title()
+    trained = model.mixing_ratios()
+    assert not torch.allclose(trained["k"], torch.full((LAYERS,), 0.5))  # training moved them
+    (ax,) = final.axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    for key in ("k", "v"):
+        line = lines[f"$a_{key}$"]
+        assert list(line.get_xdata()) == list(range(LAYERS))
+        torch.testing.assert_close(torch.tensor(line.get_ydata(), dtype=torch.float32), trained[key],
+                                   atol=1e-6, rtol=0)
+    assert ax.get_legend() is not None and ax.get_xlabel() == "layer index"
+
+
+def test_plot_mixing_cli_writes_both_pngs(trained_run, tmp_path):
+    run, _ = trained_run
+    assert main(["plot", "mixing", "--log", str(run / LOG_FILE), "--output", str(tmp_path)]) == 0
+    for name in (STEPS_FILE, FINAL_FILE):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):
+    log = tmp_path / LOG_FILE
+    log.write_text('{"step": 1, "loss": 2.0, "lr": 0.001}\n')
+    assert main(["plot", "mixing", "--log", str(log), "--output", str(tmp_path)]) == 2
+    assert "holds no mixing ratios" in capsys.readouterr().err
+
+
+def test_attention_figure_shows_causal_and_bidirectional_maps_with_token_labels():
+    tok, model = tiny_tokenizer(), tiny_bitune()
+    ids, mask = encode(tok, [render(tok, "why is the sky blue?")[0]], True)
+    maps = {k: m[0] for k, m in model.attention_maps(ids, mask).items()}  # (T, T) each
+    labels = token_labels(tok, ids[0, :-1].tolist())
+    fig = attention_figure(maps, labels)
+    images = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in images] == ["causal pass (causal weights, causal mask)",
+                                                 "bidirectional pass (bidir weights, no mask)"]
+    causal, bidir = (torch.tensor(ax.get_images()[0].get_array()) for ax in images)
+    T = len(labels)
+    assert causal.shape == bidir.shape == (T, T)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # keys after the query
+    assert causal[future].max() == 0 and bidir[future].min() > 0  # only the bidirectional pass sees ahead
+    torch.testing.assert_close(causal.sum(1), torch.ones(T, dtype=causal.dtype))  # rows are attention distributions
+    for ax in images:
+        assert [t.get_text() for t in ax.get_xticklabels()] == labels
+        assert [t.get_text() for t in ax.get_yticklabels()] == labels
+    assert labels[:3] == ["<s>", "Q", "u"] and "␣" in labels
+
+
+def test_long_prompts_are_drawn_without_token_labels():
+    maps = {"causal/causal": torch.eye(50)}
+    (ax, _) = attention_figure(maps, [str(i) for i in range(50)], max_labels=40).axes  # map and colorbar
+    assert [t.get_text() for t in ax.get_xticklabels()][:1] != ["0"]
+
+
+def test_plot_attention_cli_writes_a_png(tmp_path):
+    ckpt, _ = save_checkpoint(tmp_path)
+    out = tmp_path / "fig"
+    assert main(["plot", "attention", "--checkpoint", str(ckpt), "--prompt", "what is 2+2?", "--output", str(out),
+                 "--device", "cpu"]) == 0
+    assert (out / "attention.png").read_bytes()[:4] == b"\x89PNG"
