@@ -90,6 +90,17 @@ def test_alternating_cache_holds_exactly_the_rendered_chat():
     assert conv.render(conv.history).count("</s>") == 4
 
 
+def test_without_bidirectional_passes_alternating_equals_recompute():
+    """The pretrained variant reads causally only, so keeping the cache must give what re-reading gives."""
+    tok, model = tiny_tokenizer(), tiny_bitune(variant="pretrained")
+    tok.chat_template = CHAT_TEMPLATE
+    no_space = [0, 2, 3, *tok.convert_tokens_to_ids([" ", "\n"])]
+    conv = {m: Conversation(model, tok, m, max_new_tokens=4, suppress_tokens=no_space, forced_eos_token_id=1)
+            for m in ("alternating", "recompute")}
+    answers = {m: [c.say(t) for t in TURNS] for m, c in conv.items()}
+    assert answers["alternating"] == answers["recompute"]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("chat"))

@@ -5,7 +5,9 @@ Two ways to carry a conversation:
 * ``recompute`` (A.8 A): every turn re-renders the whole history as one prompt and reads it with both prompt
   passes, so earlier answers are read bidirectionally too.
 * ``alternating`` (A.8 B): the KV cache is kept between turns; each new user turn is read with both passes on
-  top of it and mixed, answers stay causal in the cache. Only the new turn's tokens are computed.
+  top of it and mixed, answers stay causal in the cache. Only the new turn's tokens are computed. The cache
+  keeps each answer as generated, its end token included; where the template itself writes that token (chat
+  templates' end-of-turn), the cache holds exactly the rendered conversation.
 
 The history is rendered with the tokenizer's chat template when it has one, else with the paper's template
 (``Question: ...\\n\\nAnswer: ...`` turns joined by a blank line). Answers stop at eos, at the template's
@@ -20,8 +22,8 @@ import sys
 from pathlib import Path
 
 from .errors import BituneError
-from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, load, pad_left, \
-    paper_prompt, sampling_options
+from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
+    pad_left, paper_prompt, sampling_options
 
 HELP = "multi-turn chat with a checkpoint in the terminal"
 MODES = ("recompute", "alternating")
@@ -61,7 +63,7 @@ class Conversation:
         self.model, self.tokenizer, self.mode, self.template = model, tokenizer, mode, template
         self.max_new_tokens, self.stream, self.sampling = max_new_tokens, stream, sampling
         self.stops = [*(stop or []), *([PAPER_STOP] if template == "paper" else [])]
-        self.eos_ids = self._end_of_turn_ids()
+        self.eos_ids = end_of_turn_ids(tokenizer, model, template)
         self.markers = [*self.stops, *(tokenizer.decode([i]) for i in self.eos_ids)]
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.history: list[dict[str, str]] = []
@@ -151,23 +153,6 @@ class Conversation:
         """(answer, tail) of a generated text: the answer before the first stop marker, stripped; the rest."""
         cut = cut_at_stop(raw, self.markers).rstrip()
         return cut.strip(), raw[len(cut):]
-
-    def _end_of_turn_ids(self) -> list[int]:
-        """eos, the model's generation eos ids, and the chat template's end-of-turn token."""
-        tok = self.tokenizer
-        ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        gen_eos = getattr(self.model.weights.base.generation_config, "eos_token_id", None)
-        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        if self.template == "chat":
-            text = tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
-                                           tokenize=False)
-            after = tok(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"]
-            special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}))
-            if after and after[0] in special:
-                ids.append(after[0])
-        if not ids:
-            raise BituneError(f"tokenizer {tok.name_or_path!r} has no eos token to end answers with")
-        return list(dict.fromkeys(ids))
 
 
 # --------------------------------------------------------------------------------------------------- CLI

@@ -108,6 +108,24 @@ def _pad_id(tokenizer) -> int:
     return pad
 
 
+def end_of_turn_ids(tokenizer, model, template: str = "paper") -> list[int]:
+    """Tokens that end an answer: eos, the base model's generation eos ids and (chat template) the template's
+    end-of-turn token, found as the special token the template writes right after an assistant message."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen_eos = model.weights.base.generation_config.eos_token_id
+    ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+    if template == "chat":
+        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"]
+        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        if after and after[0] in special:
+            ids.append(after[0])
+    if not ids:
+        raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end answers with")
+    return list(dict.fromkeys(ids))
+
+
 def cut_at_stop(text: str, stops: list[str] | None) -> str:
     """``text`` up to the first occurrence of any stop string."""
     ends = [i for i in (text.find(s) for s in stops or [] if s) if i >= 0]
@@ -159,6 +177,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
     if stream and len(prompts) != 1:
         raise BituneError("streaming needs a single prompt")
     device = next(model.parameters()).device
+    sampling.setdefault("eos_token_id", end_of_turn_ids(tokenizer, model, template))
     answers = []
     for start in range(0, len(prompts), batch_size):
         rendered = [render(tokenizer, p, template) for p in prompts[start:start + batch_size]]
