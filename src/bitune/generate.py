@@ -212,7 +212,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--model", metavar="NAME", help="a base model name or folder, run untrained ('pretrained')")
     parser.add_argument("--base", metavar="NAME", help="with --checkpoint: base model to load instead of the "
                         "one the checkpoint records")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help="torch device (unset: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
 
 
