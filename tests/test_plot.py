@@ -34,8 +34,12 @@ def trained_run(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     data = [{"prompt_ids": torch.randint(3, VOCAB, (4,), generator=g).tolist(),
              "answer_ids": torch.randint(3, VOCAB, (2,), generator=g).tolist() + [EOS]} for _ in range(6)]
-    torch.set_num_threads(1)
-    run_training(build_trainer(model, settings, data, None, Collator(0), tensorboard=False), settings)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the autouse one_thread
+    try:
+        run_training(build_trainer(model, settings, data, None, Collator(0), tensorboard=False), settings)
+    finally:
+        torch.set_num_threads(threads)
     return out, model
 
 
