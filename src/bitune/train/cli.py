@@ -1,10 +1,15 @@
-"""``bitune train --config FILE.yaml [--set key=value ...] [--resume]``: train a Bitune model or a baseline."""
+"""``bitune train --config FILE.yaml [--set key=value ...] [--resume] [--num-processes N]``: train a Bitune model
+or a baseline, in one process or data-parallel in N (re-launched through ``torch.distributed.run``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 from ..config import BituneConfig
+from ..errors import BituneError
 from .settings import TrainSettings, field_docs, load_settings
 
 HELP = "train a Bitune model or a baseline from a YAML config"
@@ -35,7 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Train a Bitune model or a baseline (variant, method and hyperparameters from a YAML "
                           "config plus overrides). Examples:\n  bitune train --config configs/quickstart.yaml\n"
                           "  bitune train --config configs/tasks/piqa.yaml --set seed=43\n"
-                          "  bitune train --config configs/tasks/piqa.yaml --config configs/methods/lora16.yaml")
+                          "  bitune train --config configs/tasks/piqa.yaml --config configs/methods/lora16.yaml\n"
+                          "  bitune train --config configs/tasks/piqa.yaml --num-processes 2   # data-parallel (DDP)\n"
+                          "batch_size is per process: N processes give a global batch of N x batch_size x "
+                          "grad_accum.")
     parser.epilog = settings_help()
     parser.add_argument("--config", action="append", metavar="FILE.yaml",
                         help="YAML file of settings (see below); repeat to merge several in order, e.g. a task "
@@ -44,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="override one setting, e.g. --set lr=1e-3 --set bitune.rank=16 (repeatable)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in output_dir (same settings)")
+    parser.add_argument("--num-processes", type=int, default=1, metavar="N",
+                        help="train data-parallel in N processes on this machine (one per GPU; gloo on CPU), "
+                             "launched through torch.distributed.run; not needed under torchrun/accelerate launch")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the settings, print them resolved and exit without training")
 
@@ -53,7 +64,50 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(settings.to_yaml(), end="")
         return 0
+    if args.num_processes < 1:
+        raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if args.num_processes > 1:
+        return launch(args.num_processes, train_argv(args))
     from .recipe import train
 
     train(settings, resume=args.resume)
     return 0
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The ``bitune train`` arguments each launched process runs with (everything but ``--num-processes``)."""
+    argv = ["train"]
+    for path in args.config or []:
+        argv += ["--config", path]
+    for override in args.overrides:
+        argv += ["--set", override]
+    return argv + (["--resume"] if args.resume else [])
+
+
+def launch_command(num_processes: int, argv: list[str]) -> list[str]:
+    """``python -m torch.distributed.run`` starting ``num_processes`` copies of ``python -m bitune.cli ARGV``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
+            "-m", "bitune.cli", *argv]
+
+
+def launch(num_processes: int, argv: list[str]) -> int:
+    """Run ``bitune ARGV`` data-parallel in ``num_processes`` local processes; returns the launcher's exit status.
+
+    On GPUs each process takes one device (nccl); on CPU the processes talk over gloo and share the cores
+    (``OMP_NUM_THREADS`` = cores / processes unless set).
+    """
+    import torch
+
+    from .trainer import world_size
+
+    if world_size() > 1:
+        raise BituneError(f"--num-processes: already running in a launched job (WORLD_SIZE={world_size()}); "
+                          "drop --num-processes under torchrun or accelerate launch")
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        if num_processes > torch.cuda.device_count():
+            raise BituneError(f"--num-processes {num_processes}: only {torch.cuda.device_count()} GPU(s) visible")
+    else:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))
+    return subprocess.call(launch_command(num_processes, argv), env=env)
+

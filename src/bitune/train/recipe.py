@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
 
     if settings.bitune.variant == "pretrained":
         raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
+    if int(os.environ.get("RANK", "0")) != 0:
+        say = _silent  # one process of a multi-process job reports
     prepare_output_dir(Path(settings.output_dir), settings, resume, write=False)  # fail before the slow part
     base, tokenizer = load_model(settings.model)
     train_data, dropped = load_data(settings, tokenizer, settings.train_split, settings.limit, say)
@@ -69,6 +72,10 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
         "eval_examples": len(eval_data) if eval_data is not None else 0})
     say(f"bitune train: final model in {result.final_dir} (train_loss {result.metrics.get('train_loss', 0):.4f})")
     return result
+
+
+def _silent(line: str) -> None:
+    pass
 
 
 __all__ = ["train", "load_data"]

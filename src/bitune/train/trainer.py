@@ -4,6 +4,14 @@ The subclass changes only what is Bitune-specific: the loss (prompt/answer batch
 over exactly ``model.trainable_parameters()``), checkpoints (our ``save_pretrained``: safetensors + JSON,
 written into a staging folder and renamed into place) and resuming (strict ``load_weights``). Everything
 else (schedule, clipping, accumulation, seeding, autocast, resumable data order) is Trainer's own.
+
+The loss is the **example mean**: each example's mean answer-token cross-entropy, averaged over the examples
+of the batch (every example weighs the same, whatever its length: the authors' batch-1 x accumulation setup).
+With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) Trainer
+wraps the model in ``DistributedDataParallel``, each process takes its own ``batch_size`` examples and DDP
+averages the gradients, so N processes x ``batch_size`` b give the update of one process with batch N x b
+(exactly, since every process holds b examples; only a short last batch of an epoch weighs its examples
+differently). Logging, checkpoints and the final model are written by the main process only.
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ class BituneTrainer(Trainer):
     _keep: int | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Mean answer-token cross-entropy of the batch (prompt_ids/mask (B, P), answer_ids/mask (B, A))."""
+        """Example-mean loss of the batch: the mean over its B examples of each example's mean answer-token
+        cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring."""
         out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
-        return (out.loss, out) if return_outputs else out.loss
+        loss = out.example_loss.mean()  # (B,) -> scalar
+        return (loss, out) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Validation: the loss only."""
@@ -68,26 +78,45 @@ class BituneTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles)."""
-        self.model.save_pretrained(output_dir or self.args.output_dir)
+        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles); main process only."""
+        if self.args.should_save:
+            self.model.save_pretrained(output_dir or self.args.output_dir)
 
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Write the whole checkpoint (model, optimizer, scheduler, RNG, state) in a staging folder, then
-        rename it into place, so ``checkpoint-N`` either is complete or does not exist."""
+        rename it into place, so ``checkpoint-N`` either is complete or does not exist.
+
+        With several processes every one writes its ``rng_state_<rank>.pth`` into the staging folder; only the
+        main process writes the rest, renames and rotates, and the others wait at barriers around it.
+        """
         root = Path(self.args.output_dir)
         name = f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+        main = self.args.should_save
         self._staging = root / f".staging-{name}"
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if main:
+            shutil.rmtree(self._staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # nobody writes into the staging folder before it is clean
         try:
             super()._save_checkpoint(model, trial)
-            _replace_dir(self._staging / name, root / name)
+            self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
+            if main:
+                _replace_dir(self._staging / name, root / name)
         finally:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            if main:
+                shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
-        _rotate(root, self._keep)
+        if main:
+            _rotate(root, self._keep)
+        self.accelerator.wait_for_everyone()  # checkpoint-N exists for every rank once this returns
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Each process's RNG state, written once the main process has saved the model: its
+        ``save_pretrained`` replaces the whole folder, which would drop a file written before it."""
+        self.accelerator.wait_for_everyone()
+        super()._save_rng_state(output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Strictly load the checkpoint's weights (the config must match this run's)."""
@@ -109,6 +138,8 @@ class JsonlLogger(TrainerCallback):
         self.start = time.time()
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
         if self.use_tb and self.writer is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -119,6 +150,8 @@ class JsonlLogger(TrainerCallback):
                 self.writer = SummaryWriter(str(self.tb_dir))
 
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
         record: dict[str, Any] = {"step": state.global_step}
         for k, v in (logs or {}).items():
             if isinstance(v, (int, float)):
@@ -198,7 +231,14 @@ def training_arguments(settings: TrainSettings, bf16: bool, use_cpu: bool) -> Tr
         dataloader_num_workers=settings.num_workers,
         disable_tqdm=False,
         label_names=[],
+        ddp_find_unused_parameters=False,  # every trainable parameter gets a gradient (tests/test_distributed.py)
+        ddp_backend="gloo" if use_cpu and world_size() > 1 else None,  # None: nccl on GPUs
     )
+
+
+def world_size() -> int:
+    """Processes of this job, as the launcher (``torchrun``, ``accelerate launch``) set them; 1 when not launched."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def resolve_bf16(setting: str) -> tuple[bool, bool]:
@@ -231,6 +271,9 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
                  first_log: dict[str, Any] | None = None) -> TrainResult:
     """Train (optionally resuming from the last complete checkpoint), then save ``final/``.
 
+    Runs the same in every process of a multi-process job: all check the run folder and train; only the main
+    process writes ``settings.yaml``, the log and ``final/``, and every process returns once they exist.
+
     Args:
         trainer: from :func:`build_trainer`.
         settings: the run's settings, written to ``settings.yaml``.
@@ -238,19 +281,29 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
         first_log: a record written to ``log.jsonl`` before training (e.g. data counts); not on resume.
     """
     out = Path(settings.output_dir)
-    checkpoint = prepare_output_dir(out, settings, resume)
+    main = trainer.args.should_save
+    wait = trainer.accelerator.wait_for_everyone
+    checkpoint = prepare_output_dir(out, settings, resume, write=False)  # every rank checks before anyone writes
+    wait()
+    if main:
+        prepare_output_dir(out, settings, resume)
     if checkpoint is not None:
+        check_world_size(checkpoint, trainer.args.world_size)
         verify_checkpoint(checkpoint, trainer.model)
-        truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
-        print(f"bitune train: resuming from {checkpoint}")
-    elif first_log is not None:
+        if main:
+            truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
+            print(f"bitune train: resuming from {checkpoint}")
+    elif first_log is not None and main:
         append_jsonl(out / LOG_FILE, {"step": 0, **first_log})
+    wait()
     result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     metrics = dict(result.metrics)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     final = out / FINAL_DIR
-    trainer.model.save_pretrained(final)
+    if main:
+        trainer.model.save_pretrained(final)
+    wait()
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     return TrainResult(output_dir=out, final_dir=final, metrics=metrics)
 
@@ -309,7 +362,8 @@ def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
         json.loads((path / STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise BituneError(f"corrupt checkpoint file {path / STATE_FILE}: {e}") from e
-    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+    rng = sorted(p.name for p in path.glob("rng_state*.pth"))
+    for name in ("optimizer.pt", "scheduler.pt", *(rng or ["rng_state.pth"])):
         if not (path / name).is_file():
             raise BituneError(f"checkpoint {path} is incomplete: {name} is missing")
         try:
@@ -325,6 +379,20 @@ def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
             raise
         except ValueError as e:
             raise BituneError(str(e)) from e
+
+
+def checkpoint_world_size(path: Path) -> int:
+    """How many processes wrote a checkpoint: one ``rng_state.pth``, or ``rng_state_<rank>.pth`` per process."""
+    per_rank = list(Path(path).glob("rng_state_*.pth"))
+    return len(per_rank) if per_rank else 1
+
+
+def check_world_size(path: Path, world_size: int) -> None:
+    """Refuse to resume with another process count: the global batch (and so the run) would change."""
+    saved = checkpoint_world_size(path)
+    if saved != world_size:
+        raise BituneError(f"{path} was written by {saved} process(es), this run has {world_size}: the global "
+                          f"batch would change; resume with --num-processes {saved} or choose another output_dir")
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -375,13 +443,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def steps_for(n_examples: int, settings: TrainSettings) -> int:
-    """Optimizer steps a run takes: ``steps`` if set, else epochs x ceil(examples / effective batch)."""
+def steps_for(n_examples: int, settings: TrainSettings, world_size: int = 1) -> int:
+    """Optimizer steps a run takes: ``steps`` if set, else epochs x ceil(examples / global batch), where the
+    global batch is ``world_size`` processes x ``batch_size`` x ``grad_accum``."""
     if settings.steps is not None:
         return settings.steps
-    per_epoch = max(1, math.ceil(n_examples / settings.batch_size) // settings.grad_accum)
+    per_epoch = max(1, math.ceil(n_examples / (settings.batch_size * world_size)) // settings.grad_accum)
     return math.ceil(per_epoch * settings.epochs)
 
 
 __all__ = ["BituneTrainer", "JsonlLogger", "TrainResult", "build_trainer", "run_training", "checkpoints",
-           "training_arguments", "resolve_bf16", "verify_checkpoint", "steps_for"]
+           "training_arguments", "resolve_bf16", "verify_checkpoint", "check_world_size", "steps_for"]

@@ -1,0 +1,102 @@
+"""Training jobs on a tiny in-process Llama, run the same way in one process (imported by the tests) or in
+each process of ``torchrun`` (run as a script: ``python -m torch.distributed.run ... tests/dist_helpers.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+from conftest import EOS, VOCAB, perturb_adapters, tiny_model
+from transformers import TrainerCallback
+
+from bitune import BituneModel
+from bitune.data.collate import Collator
+from bitune.train.settings import TrainSettings
+from bitune.train.trainer import build_trainer, run_training
+
+HERE = Path(__file__).resolve().parent
+
+
+def samples(n: int = 16, seed: int = 0) -> list[dict]:
+    """Token-id samples of mixed prompt/answer lengths (so ranks hold different token counts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, a = 3 + i % 5, 1 + (3 * i) % 7
+        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
+                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
+    return out
+
+
+class Interrupt(TrainerCallback):
+    """Simulates a crash right after optimizer step ``at``."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def train_tiny(output_dir: str, variant: str = "bitune", method: str = "lora", batch_size: int = 2,
+               grad_accum: int = 2, steps: int = 4, save_every: int | None = None, resume: bool = False,
+               interrupt_at: int | None = None, lr: float = 1e-2):
+    """Train a fresh tiny Llama (same initial weights every call) on :func:`samples`; returns the trainer."""
+    settings = TrainSettings.from_dict(dict(
+        model="tiny", dataset="tiny", output_dir=output_dir, batch_size=batch_size, grad_accum=grad_accum,
+        steps=steps, lr=lr, log_every=1, seed=0, save_every=save_every, save_total_limit=None,
+        warmup_ratio=0.0, bitune={"variant": variant, "method": method}))
+    transformers.set_seed(settings.seed)
+    model = perturb_adapters(BituneModel.wrap(tiny_model(), settings.bitune))  # LoRA B != 0: no all-zero grads
+    trainer = build_trainer(model, settings, samples(), None, Collator(0), tensorboard=True)
+    if interrupt_at is not None:
+        trainer.add_callback(Interrupt(interrupt_at))
+    run_training(trainer, settings, resume=resume)
+    return trainer
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run this file as a script in ``nproc`` gloo processes, one thread each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(HERE / "dist_helpers.py"), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("job", choices=["train", "variants"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--variants", default="")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-every", type=int)
+    parser.add_argument("--interrupt-at", type=int)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.job == "train":
+        try:
+            train_tiny(args.out, batch_size=args.batch_size, steps=args.steps, save_every=args.save_every,
+                       resume=args.resume, interrupt_at=args.interrupt_at)
+        except KeyboardInterrupt:
+            sys.exit(3)
+        return
+    trained = {}
+    for spec in args.variants.split(","):
+        variant, method = spec.split(":")
+        trainer = train_tiny(f"{args.out}/{variant}-{method}", variant, method, batch_size=1, grad_accum=1, steps=2)
+        trained[spec] = trainer.state.global_step
+    if int(os.environ["RANK"]) == 0:
+        Path(args.out, "done.json").write_text(json.dumps(trained))
+
+
+if __name__ == "__main__":
+    main()
