@@ -7,6 +7,8 @@ import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PhiConfig,
                           Qwen2Config)
 
+torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy machine
+
 VOCAB = 64
 PAD, EOS, BOS = 0, 1, 2
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -89,23 +89,42 @@ class WeightSets(nn.Module):
         return len(set(names)) == 1 or (self.method == "lora" and self.peft)
 
     def call_rows(self, names: list[str], **kwargs):
-        """Run one forward whose row r uses weight set ``names[r]`` (PEFT's mixed-adapter batch, also in training).
+        """Run one forward whose row r uses weight set ``names[r]``; rows of one set must be contiguous.
 
-        PEFT refuses ``adapter_names`` in training mode at the model level only; its LoRA layers compute
-        mixed batches with gradients, so the argument is handed to them directly.
+        Each LoRA layer computes its frozen base projection once over all rows and adds every set's low-rank
+        update to its own contiguous row block (views, no gathers), with gradients.
         """
         if len(set(names)) == 1:
             return self.call(names[0], **kwargs)
         if not self.can_route_rows(names):
             raise ValueError(f"method {self.method!r} cannot mix weight sets within one batch")
-        handles = [layer.register_forward_pre_hook(
-            lambda _m, args, kw: (args, {**kw, "adapter_names": names}), with_kwargs=True)
-            for layer in self._tuner_layers if isinstance(layer, LoraLayer)]
+        blocks, start = [], 0  # (name, first row, end row)
+        for i in range(1, len(names) + 1):
+            if i == len(names) or names[i] != names[start]:
+                blocks.append((names[start], start, i))
+                start = i
+        if len({n for n, _, _ in blocks}) != len(blocks):
+            raise ValueError("rows of one weight set must be contiguous")
+
+        def add_updates(layer, args, output):
+            x = args[0]
+            parts = []
+            for name, lo, hi in blocks:
+                xs = x[lo:hi].to(layer.lora_A[name].weight.dtype)  # (rows, T, d_in)
+                delta = layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](xs))) * layer.scaling[name]
+                parts.append(output[lo:hi] + delta.to(output.dtype))  # (rows, T, d_out)
+            return torch.cat(parts)
+
+        lora_layers = [layer for layer in self._tuner_layers if isinstance(layer, LoraLayer)]
+        handles = [layer.register_forward_hook(add_updates) for layer in lora_layers]
+        for layer in lora_layers:
+            layer._active_adapter = []  # the layer itself computes the base projection only
         try:
             return self.model(**kwargs)
         finally:
             for h in handles:
                 h.remove()
+            self._use_adapter("causal")
 
     def _use_adapter(self, name: str) -> None:
         for layer in self._tuner_layers:

@@ -48,9 +48,10 @@ class BituneConfig:
     """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a list of names."""
     theta_init: float = 0.01
     """Initial value of every mixing parameter theta; the mixing ratio a = |theta| / (theta_init + |theta|) starts at 0.5."""
-    prompt_passes: str = "batched"
+    prompt_passes: str = "auto"
     """How two prompt passes run: ``"batched"`` (one forward over 2B rows, each row with its own weights and
-    mask; falls back to sequential when the method cannot route rows: IA3, DoRA, full) or ``"sequential"``."""
+    mask; plain LoRA or shared weights only, otherwise sequential), ``"sequential"`` (two forwards), or
+    ``"auto"``: batched on CUDA, sequential on CPU, where ``bitune bench train`` measured it faster."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
 
@@ -59,9 +60,9 @@ class BituneConfig:
         _check_choice("method", self.method, METHODS)
         if self.variant == "pretrained" and self.method != "lora":
             raise ValueError("BituneConfig.method: the 'pretrained' variant trains nothing; leave method='lora'")
-        if self.prompt_passes not in ("batched", "sequential"):
+        if self.prompt_passes not in ("auto", "batched", "sequential"):
             raise ValueError(f"BituneConfig.prompt_passes={self.prompt_passes!r} is not one of "
-                             "['batched', 'sequential']")
+                             "['auto', 'batched', 'sequential']")
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
         if not self.lora_alpha > 0:

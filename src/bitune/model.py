@@ -174,7 +174,10 @@ class BituneModel(nn.Module):
         passes = self.config.passes
         B = ids.shape[0]
         names = [w for w, _ in passes for _ in range(B)]
-        if len(passes) == 1 or self.config.prompt_passes == "sequential" or not self.weights.can_route_rows(names):
+        mode = self.config.prompt_passes
+        if mode == "auto":
+            mode = "batched" if ids.device.type == "cuda" else "sequential"
+        if len(passes) == 1 or mode == "sequential" or not self.weights.can_route_rows(names):
             return [self._prompt_pass(ids, mask, weights, kind, past) for weights, kind in passes]
         weights = names if len({w for w, _ in passes}) > 1 else passes[0][0]
         cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), weights, [k for _, k in passes], past)

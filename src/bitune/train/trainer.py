@@ -78,9 +78,20 @@ class BituneTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles); main process only."""
-        if self.args.should_save:
-            self.model.save_pretrained(output_dir or self.args.output_dir)
+        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles); main process only.
+
+        Under FSDP (every process calls this) the sharded weights are first gathered onto the main process.
+        """
+        target = output_dir or self.args.output_dir
+        if not self.is_fsdp_enabled:
+            if self.args.should_save:
+                self.model.save_pretrained(target)
+            return
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(self.model_wrapped, writeback=False, rank0_only=True):
+            if self.args.should_save:
+                self.accelerator.unwrap_model(self.model).save_pretrained(target)
 
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
@@ -301,8 +312,7 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     final = out / FINAL_DIR
-    if main:
-        trainer.model.save_pretrained(final)
+    trainer.save_model(str(final))  # every process calls it; the main one writes
     wait()
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     return TrainResult(output_dir=out, final_dir=final, metrics=metrics)

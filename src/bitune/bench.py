@@ -1,0 +1,231 @@
+"""``bitune bench``: training and generation speed and memory of Bitune against the LoRA baseline.
+
+``train`` times full optimizer steps of Bitune (batched and sequential prompt passes) and the LoRA baseline on
+the same model, batch and lengths, interleaving them step by step so machine drift hits all alike, and prints
+each ratio next to the FLOP ratio (2P + A) / (P + A), the floor of a perfect implementation (paper A.4).
+``generate`` reproduces the paper's inference table (section 3.4): prefill a long prompt, generate N tokens.
+Peak memory is the allocator's peak on CUDA; on CPU it is parameters + gradients + optimizer state + the
+tensors autograd saves for backward (counted by storage), the part that differs between methods.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HELP = "benchmark training and generation speed/memory against LoRA"
+
+
+def configure(parser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    tr = sub.add_parser("train", help="training step time and peak memory, Bitune vs LoRA")
+    tr.add_argument("--model", default="smollm2-135m", help="built-in name, hub id or local folder")
+    tr.add_argument("--lengths", default="64:64,256:64", help="comma-separated PROMPT:ANSWER token lengths")
+    tr.add_argument("--batch-size", type=int, default=1, help="examples per step")
+    tr.add_argument("--steps", type=int, default=3, help="timed steps per method and length (after 1 warm-up)")
+    tr.add_argument("--output", default=None, help="also write the results as JSON here")
+    ge = sub.add_parser("generate", help="prefill a long prompt and generate N tokens (paper Table 4)")
+    ge.add_argument("--model", default="smollm2-135m", help="built-in name, hub id or local folder")
+    ge.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (the paper: 2000 on a GPU)")
+    ge.add_argument("--new-tokens", type=int, default=64, help="generated tokens (the paper: 2000 on a GPU)")
+    ge.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
+    ge.add_argument("--output", default=None, help="also write the results as JSON here")
+    for p in (tr, ge):
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = bench_train(args) if args.bench == "train" else bench_generate(args)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _device_dtype(name: str) -> tuple[torch.device, torch.dtype]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, name)
+
+
+def _build(model_name: str, variant: str, device, dtype, **kw):
+    from .config import BituneConfig
+    from .hub import load_model
+    from .model import BituneModel
+
+    base, tokenizer = load_model(model_name, dtype=dtype)
+    model = BituneModel.wrap(base.to(device), BituneConfig(variant=variant, **kw))
+    return model.train(), tokenizer
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _random_batch(vocab: int, B: int, P: int, A: int, device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, vocab, (B, P), generator=g).to(device)
+    answer = torch.randint(100, vocab, (B, A), generator=g).to(device)
+    return prompt, torch.ones_like(prompt), answer, torch.ones_like(answer)
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves for backward during a forward."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        if not (isinstance(t, torch.nn.Parameter) or t.requires_grad and t.is_leaf):
+            s = t.untyped_storage()
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _step(model, opt, batch, device) -> tuple[float, int]:
+    """One optimizer step; returns (seconds, peak bytes)."""
+    saved = _SavedBytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    start = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        loss = model(*batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(model.trainable_parameters().values()), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        return seconds, torch.cuda.max_memory_allocated()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.trainable_parameters().values())
+    return seconds, params + 3 * trainable + saved.total  # weights + grads + Adam moments + activations
+
+
+def bench_train(args) -> dict:
+    device, dtype = _device_dtype(args.dtype)
+    lengths = [tuple(int(x) for x in pair.split(":")) for pair in args.lengths.split(",")]
+    methods = {"lora": dict(variant="lora"), "bitune_batched": dict(variant="bitune", prompt_passes="batched"),
+               "bitune_sequential": dict(variant="bitune", prompt_passes="sequential")}
+    default = "bitune_batched" if device.type == "cuda" else "bitune_sequential"  # what prompt_passes="auto" runs
+    models = {name: _build(args.model, device=device, dtype=dtype, **kw)[0] for name, kw in methods.items()}
+    opts = {name: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for name, m in models.items()}
+    vocab = models["lora"].text_config.vocab_size
+    rows = []
+    for P, A in lengths:
+        batch = _random_batch(vocab, args.batch_size, P, A, device)
+        times = {name: [] for name in models}
+        peak = {name: 0 for name in models}
+        for i in range(args.steps + 1):
+            for name, model in models.items():  # interleaved: drift hits every method alike
+                seconds, mem = _step(model, opts[name], batch, device)
+                if i:
+                    times[name].append(seconds)
+                peak[name] = max(peak[name], mem)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        row = {"prompt": P, "answer": A, "flop_ratio": (2 * P + A) / (P + A),
+               **{f"{n}_s": med[n] for n in models}, **{f"{n}_peak_mb": peak[n] / 2**20 for n in models}}
+        for name in ("bitune_batched", "bitune_sequential"):
+            row[f"time_ratio_{name.split('_')[1]}"] = med[name] / med["lora"]
+            row[f"memory_ratio_{name.split('_')[1]}"] = peak[name] / peak["lora"]
+        row["time_ratio"] = med[default] / med["lora"]
+        row["memory_ratio"] = peak[default] / peak["lora"]
+        rows.append(row)
+    _print_train(rows, args, device, dtype)
+    return {"device": str(device), "dtype": str(dtype), "model": args.model, "batch_size": args.batch_size,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def _print_train(rows, args, device, dtype) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Training step, {args.model}, {device.type} {str(dtype).removeprefix('torch.')}, "
+                        f"batch {args.batch_size}, median of {args.steps}")
+    for col in ("P", "A", "LoRA s", "batched s", "sequential s", "FLOP ratio", "batched / LoRA",
+                "sequential / LoRA", "default / FLOP", "memory batched", "memory sequential"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["prompt"]), str(r["answer"]), f"{r['lora_s']:.3f}", f"{r['bitune_batched_s']:.3f}",
+                      f"{r['bitune_sequential_s']:.3f}", f"{r['flop_ratio']:.2f}", f"{r['time_ratio_batched']:.2f}",
+                      f"{r['time_ratio_sequential']:.2f}", f"{r['time_ratio'] / r['flop_ratio']:.2f}",
+                      f"{r['memory_ratio_batched']:.2f}", f"{r['memory_ratio_sequential']:.2f}")
+    Console().print(table)
+
+
+@torch.no_grad()
+def bench_generate(args) -> dict:
+    device, dtype = _device_dtype(args.dtype)
+    bitune, tokenizer = _build(args.model, "bitune", device, dtype)
+    lora, _ = _build(args.model, "lora", device, dtype)
+    bitune.eval()
+    lora.eval()
+    prompt = _random_batch(bitune.text_config.vocab_size, 1, args.prompt_tokens, 1, device)[:2]
+    gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+
+    def bitune_generate(n):
+        return bitune.generate(*prompt, max_new_tokens=n, min_new_tokens=n, **gen)
+
+    def lora_generate(n):  # the plain PEFT model, transformers' own generate from scratch
+        return lora.weights.model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
+                                           min_new_tokens=n, **gen)
+
+    def base_generate(n):
+        with lora.weights.model.disable_adapter():
+            return lora.weights.model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
+                                               min_new_tokens=n, **gen)
+
+    def timed(fn, n):
+        _sync(device)
+        start = time.perf_counter()
+        out = fn(n)
+        _sync(device)
+        assert out.shape[-1] >= n
+        return time.perf_counter() - start
+
+    runners = {"bitune": bitune_generate, "lora": lora_generate, "base": base_generate}
+    for fn in runners.values():
+        fn(2)  # warm-up
+    samples = {name: {"first": [], "total": []} for name in runners}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():
+            samples[name]["first"].append(timed(fn, 1))
+            samples[name]["total"].append(timed(fn, args.new_tokens))
+    rows = {}
+    for name, s in samples.items():
+        first, total = statistics.median(s["first"]), statistics.median(s["total"])
+        rows[name] = {"prefill_s": first, "total_s": total,
+                      "decode_tok_s": (args.new_tokens - 1) / max(total - first, 1e-9)}
+    summary = {"prefill_ratio": rows["bitune"]["prefill_s"] / rows["lora"]["prefill_s"],
+               "decode_ratio": rows["bitune"]["decode_tok_s"] / rows["lora"]["decode_tok_s"],
+               "total_ratio": rows["bitune"]["total_s"] / rows["lora"]["total_s"]}
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Generation, {args.model}, {device.type}, prompt {args.prompt_tokens} tokens, "
+                        f"{args.new_tokens} new tokens, median of {args.repeats}")
+    for col in ("model", "prefill s", "decode tok/s", "total s"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        table.add_row(name, f"{r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}", f"{r['total_s']:.2f}")
+    Console().print(table)
+    Console().print(f"Bitune / LoRA: prefill {summary['prefill_ratio']:.2f}x, decode tok/s "
+                    f"{summary['decode_ratio']:.3f}x, total {summary['total_ratio']:.3f}x")
+    return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}

@@ -1,0 +1,197 @@
+"""Data-parallel training: 2 gloo processes on CPU give the update of 1 process with the global batch, every
+trainable parameter of every variant gets a gradient (DDP runs with find_unused_parameters=False), logs and
+checkpoints are written once, resume works multi-process, the launcher and accelerate configs are sound.
+
+Each ``torchrun`` job starts two Python processes (about 10-25 s on a 2-core machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import batch, tiny_model
+from dist_helpers import HERE, torchrun, train_tiny
+
+from bitune import BituneModel
+from bitune.config import METHODS, VARIANTS, BituneConfig
+from bitune.errors import BituneError
+from bitune.train.settings import TrainSettings
+from bitune.train.trainer import LOG_FILE, checkpoints, training_arguments
+
+TRAINABLE = [v for v in VARIANTS if v != "pretrained"]
+ACCELERATE_CONFIGS = HERE.parent / "configs" / "accelerate"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    model = BituneModel.from_pretrained(run_dir / "final", base=tiny_model())
+    return {k: p.detach() for k, p in model.trainable_parameters().items()}
+
+
+def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=atol, msg=k)
+
+
+def check(job) -> None:
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Weights after 4 steps of 1 process with batch 4 x accumulation 2 (global batch 8)."""
+    torch.set_num_threads(1)
+    trainer = train_tiny(str(tmp_path_factory.mktemp("one") / "run"), batch_size=4, grad_accum=2, steps=4)
+    return {k: p.detach().clone() for k, p in trainer.model.trainable_parameters().items()}
+
+
+# ------------------------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("variant", TRAINABLE)
+def test_every_trainable_parameter_gets_a_gradient(variant, method):
+    """What DDP with find_unused_parameters=False needs: the parameters that require a gradient are exactly the
+    model's trainable parameters, and the training loss reaches every one of them."""
+    model = BituneModel.wrap(tiny_model(), BituneConfig(variant=variant, method=method)).train()
+    out = model(*batch())
+    out.example_loss.mean().backward()
+    trainable = {id(p) for p in model.trainable_parameters().values()}
+    assert {id(p) for p in model.parameters() if p.requires_grad} == trainable
+    assert [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+
+
+def test_ddp_is_told_there_are_no_unused_parameters():
+    args = training_arguments(TrainSettings(model="tiny", dataset="tiny", output_dir="unused"), False, True)
+    assert args.ddp_find_unused_parameters is False
+
+
+def test_every_variant_trains_under_two_gloo_processes(tmp_path):
+    """Two optimizer steps each: an unused parameter would stop DDP at the second step."""
+    specs = [f"{v}:lora" for v in TRAINABLE] + ["bitune:dora", "bitune:ia3", "bitune:full", "lora:full"]
+    check(torchrun(2, "variants", "--out", str(tmp_path), "--variants", ",".join(specs)))
+    assert json.loads((tmp_path / "done.json").read_text()) == {s: 2 for s in specs}
+
+
+# ------------------------------------------------------------------------------------------- equivalence
+def test_loss_is_the_example_mean(tmp_path):
+    """The trainer's loss weighs every example the same, whatever its answer length."""
+    trainer = train_tiny(str(tmp_path / "run"), steps=1)
+    model = trainer.model.eval()
+    tensors = batch(prompt_lens=(6, 4, 5), answer_lens=(1, 4, 2))
+    inputs = dict(zip(("prompt_ids", "prompt_mask", "answer_ids", "answer_mask"), tensors))
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, inputs)
+        out = model(*tensors)
+    per_example = [model(*(t[i:i + 1] for t in tensors)).loss for i in range(3)]
+    torch.testing.assert_close(loss, torch.stack(per_example).mean(), rtol=0, atol=1e-6)
+    assert abs(loss - out.loss) > 1e-4  # differs from the token mean on these mixed lengths
+
+
+def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_process):
+    """2 processes x batch 2 x accumulation 2 == 1 process x batch 4 x accumulation 2, to 1e-5, although the
+    ranks hold different answer-token counts; logs, checkpoints and final/ are written once."""
+    run = tmp_path / "run"
+    check(torchrun(2, "train", "--out", str(run), "--batch-size", "2", "--steps", "4", "--save-every", "2"))
+    assert_same_weights(final_weights(run), one_process)
+    steps = [r["step"] for r in map(json.loads, (run / LOG_FILE).read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+    assert [p.name for p in checkpoints(run)] == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(p.name for p in (run / "checkpoint-4").glob("rng_state*")) == ["rng_state_0.pth",
+                                                                                  "rng_state_1.pth"]
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]  # no staging leftovers
+    assert len(list((run / "tensorboard").iterdir())) == 1  # one writer
+
+
+def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
+    run = tmp_path / "run"
+    job = torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--interrupt-at", "3")
+    assert job.returncode != 0
+    assert [p.name for p in checkpoints(run)] == ["checkpoint-2"] and not (run / "final").exists()
+    with pytest.raises(BituneError, match="written by 2 process"):
+        train_tiny(str(run), batch_size=4, steps=4, save_every=2, resume=True)  # 1 process: another global batch
+    check(torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--resume"))
+    assert_same_weights(final_weights(run), one_process)
+    steps = [r["step"] for r in map(json.loads, (run / LOG_FILE).read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------- launching
+def test_cli_num_processes_trains_data_parallel(tmp_path):
+    """``bitune train --num-processes 2`` on a local tiny model and a JSONL file, end to end."""
+    from eval_helpers import tiny_tokenizer
+
+    base = tmp_path / "base"
+    tiny_model().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"say {w}", "output": w}) + "\n"
+                            for w in ["yes", "no", "maybe", "so", "ok", "fine", "good", "bad"]))
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bitune.cli", "train", "--num-processes", "2", "--set", f"model={base}",
+           "--set", f"dataset={data}", "--set", f"output_dir={out}", "--set", "steps=2", "--set", "batch_size=2",
+           "--set", "grad_accum=1", "--set", "log_every=1", "--set", "max_length=64"]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    check(job)
+    assert job.stdout.count("bitune train: final model in") == 1  # one process reports
+    assert (out / "final" / "bitune_config.json").is_file()
+    records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert records[0]["event"] == "data" and records[0]["train_examples"] == 8
+
+
+def test_num_processes_is_refused_inside_a_launched_job(monkeypatch):
+    from bitune.train.cli import launch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(BituneError, match="already running"):
+        launch(2, ["train"])
+
+
+def test_launch_command_reruns_the_same_arguments():
+    from bitune.cli import build_parser
+    from bitune.train.cli import launch_command, train_argv
+
+    argv = ["train", "--config", "a.yaml", "--set", "lr=1e-3", "--num-processes", "4", "--resume"]
+    sys_argv = sys.argv
+    try:
+        sys.argv = ["bitune", *argv]
+        args = build_parser().parse_args(argv)
+    finally:
+        sys.argv = sys_argv
+    cmd = launch_command(args.num_processes, train_argv(args))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "bitune.cli",
+                       "train", "--config", "a.yaml", "--set", "lr=1e-3", "--resume"]
+
+
+@pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
+def test_accelerate_configs_parse(name, kind):
+    """accelerate's own loader and launcher read the example configs into the intended environment."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    path = ACCELERATE_CONFIGS / f"{name}.yaml"
+    assert str(load_config_from_file(str(path)).distributed_type) == f"DistributedType.{kind}"
+    args = launch_command_parser().parse_args(["--config_file", str(path), "-m", "bitune.cli", "train"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    assert args.num_processes == 2
+    if name == "fsdp":
+        assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_USE_ORIG_PARAMS"] == "true"
+        assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
+        assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer"
+    else:
+        assert args.multi_gpu and "ACCELERATE_USE_FSDP" not in env
