@@ -119,8 +119,10 @@ def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
     job = torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--interrupt-at", "3")
     assert job.returncode != 0
     assert [p.name for p in checkpoints(run)] == ["checkpoint-2"] and not (run / "final").exists()
+    settings_before = (run / "settings.yaml").read_text()
     with pytest.raises(BituneError, match="written by 2 process"):
-        train_tiny(str(run), batch_size=4, steps=4, save_every=2, resume=True)  # 1 process: another global batch
+        train_tiny(str(run), steps=4, save_every=2, resume=True)  # 1 process: another global batch
+    assert (run / "settings.yaml").read_text() == settings_before
     check(torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--resume"))
     assert_same_weights(final_weights(run), one_process)
     steps = [r["step"] for r in map(json.loads, (run / LOG_FILE).read_text().splitlines()) if "loss" in r]

@@ -295,16 +295,16 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
     main = trainer.args.should_save
     wait = trainer.accelerator.wait_for_everyone
     checkpoint = prepare_output_dir(out, settings, resume, write=False)  # every rank checks before anyone writes
-    wait()
-    if main:
-        prepare_output_dir(out, settings, resume)
     if checkpoint is not None:
         check_world_size(checkpoint, trainer.args.world_size)
         verify_checkpoint(checkpoint, trainer.model)
-        if main:
-            truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
-            print(f"bitune train: resuming from {checkpoint}")
-    elif first_log is not None and main:
+    wait()
+    if main:
+        prepare_output_dir(out, settings, resume)
+    if main and checkpoint is not None:
+        truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
+        print(f"bitune train: resuming from {checkpoint}")
+    elif main and first_log is not None:
         append_jsonl(out / LOG_FILE, {"step": 0, **first_log})
     wait()
     result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
