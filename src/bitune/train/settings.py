@@ -53,9 +53,10 @@ class TrainSettings:
     epochs: float = 1.0
     """Passes over the training data (used when ``steps`` is not set)."""
     batch_size: int = 1
-    """Examples per forward pass."""
+    """Examples per forward pass and process; the loss weighs every example the same (mean of per-example
+    answer-token means), so N processes x batch b train like one process with batch N x b."""
     grad_accum: int = 10
-    """Forward passes accumulated per optimizer step (effective batch = batch_size x grad_accum)."""
+    """Forward passes accumulated per optimizer step (global batch = processes x batch_size x grad_accum)."""
     warmup_ratio: float = 0.1
     """Fraction of the steps spent warming the learning rate up linearly from 0; it then decays linearly to 0."""
     weight_decay: float = 0.0
