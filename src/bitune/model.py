@@ -242,13 +242,16 @@ class BituneModel(nn.Module):
         _check_prompt(prompt_ids, prompt_mask)
         _check_answer(prompt_ids, answer_ids, answer_mask)
         if self.config.single_pass:
-            logits = self._single_pass_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
+            logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
         else:
             logits = self.answer_logits(self.prefill(prompt_ids, prompt_mask), answer_ids, answer_mask, reuse=False)
         return _answer_loss(logits, answer_ids, answer_mask)
 
-    def _single_pass_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
-        """The baselines: one causal pass over prompt + answer, logits of the answer positions only."""
+    def causal_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
+        """One plain causal pass of the causal weights over prompt + answer; (B, A, V) answer logits.
+
+        This is the baselines' forward, and the sound reading of any prompt too short for prompt passes.
+        """
         ids = torch.cat([prompt_ids, answer_ids], dim=1)  # (B, P+A)
         mask = torch.cat([prompt_mask, answer_mask], dim=1)  # (B, P+A)
         A = answer_ids.shape[1]

@@ -184,7 +184,7 @@ class BituneLM(TemplateLM):
         """One-token contexts: the prefill is empty, so the answer pass is a plain causal forward (causal weights)."""
         ctx_ids = torch.tensor([list(ctx) for ctx, _ in items], device=self.device)  # (b, 1)
         ids, mask = self._right_pad([conts[i] for _, i in items])
-        logits = self.model._single_pass_logits(ctx_ids, torch.ones_like(ctx_ids), ids, mask)  # (b, A, V)
+        logits = self.model.causal_logits(ctx_ids, torch.ones_like(ctx_ids), ids, mask)  # (b, A, V)
         self._collect(results, [i for _, i in items], logits, ids, mask)
 
     @staticmethod
