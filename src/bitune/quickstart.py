@@ -38,10 +38,10 @@ class Scores:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps for each fine-tuned model")
-    parser.add_argument("--train-examples", type=int, default=240,
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each fine-tuned model")
+    parser.add_argument("--train-examples", type=int, default=160,
                         help="ARC-Easy training questions used (cycled if steps x batch needs more)")
-    parser.add_argument("--eval-examples", type=int, default=150,
+    parser.add_argument("--eval-examples", type=int, default=100,
                         help="held-out ARC-Easy validation questions scored per model")
     parser.add_argument("--batch-size", type=int, default=4, help="training batch size")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the paper's, for tasks)")
