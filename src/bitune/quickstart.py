@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def quickstart(out: Path, steps: int = 60, train_examples: int = 240, eval_examples: int = 150,
+def quickstart(out: Path, steps: int = 40, train_examples: int = 160, eval_examples: int = 100,
                batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str = MODEL) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
     from .data.datasets import load_examples
