@@ -113,3 +113,14 @@ def test_cli_help_lists_every_setting(capsys):
     out = capsys.readouterr().out
     for name in [*TrainSettings.__dataclass_fields__, "bitune.theta_init", "--resume", "--set"]:
         assert name in out
+
+
+def test_cli_rejects_unknown_dataset_and_split_before_running(tmp_path, capsys):
+    from bitune.cli import main
+
+    for override, needle in (("dataset=nope", "dataset='nope'"), ("train_split=tset", "train_split='tset'")):
+        rc = main(["train", "--config", "configs/quickstart.yaml", "--set", override,
+                   "--set", f"output_dir={tmp_path}/run", "--dry-run"])
+        assert rc == 2
+        assert needle in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

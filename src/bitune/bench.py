@@ -120,7 +120,12 @@ def _step(model, opt, batch, device) -> tuple[float, int]:
 
 def bench_train(args) -> dict:
     device, dtype = _device_dtype(args.dtype)
-    lengths = [tuple(int(x) for x in pair.split(":")) for pair in args.lengths.split(",")]
+    try:
+        lengths = [(int(p), int(a)) for p, a in (pair.split(":") for pair in args.lengths.split(","))]
+    except ValueError:
+        raise ValueError(f"--lengths {args.lengths!r}: expected PROMPT:ANSWER pairs, e.g. 64:64,256:64") from None
+    if any(p < 2 or a < 1 for p, a in lengths):
+        raise ValueError(f"--lengths {args.lengths!r}: prompts need >= 2 tokens and answers >= 1")
     methods = {"lora": dict(variant="lora"), "bitune_batched": dict(variant="bitune", prompt_passes="batched"),
                "bitune_sequential": dict(variant="bitune", prompt_passes="sequential")}
     default = "bitune_batched" if device.type == "cuda" else "bitune_sequential"  # what prompt_passes="auto" runs

@@ -61,6 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, args.overrides)
+    settings.check_dataset()
     if args.dry_run:
         print(settings.to_yaml(), end="")
         return 0

@@ -118,6 +118,20 @@ class TrainSettings:
             raise BituneError("output_dir must be a folder path")
         self.output_dir = self._fill(self.output_dir)
 
+
+    def check_dataset(self) -> None:
+        """Reject an unknown dataset name or split before anything runs (the loader would, but later)."""
+        from ..data.datasets import DATASETS
+        if self.dataset not in DATASETS and not self.dataset.endswith((".json", ".jsonl")):
+            raise BituneError(f"dataset={self.dataset!r} is not one of {', '.join(DATASETS)} "
+                              "nor a .json/.jsonl file")
+        info = DATASETS.get(self.dataset)
+        for field_name in ("train_split", "eval_split"):
+            split = getattr(self, field_name)
+            if info is not None and split is not None and split not in info.splits:
+                raise BituneError(f"{field_name}={split!r}: dataset {self.dataset} has splits "
+                                  f"{', '.join(info.splits)}")
+
     def _fill(self, template: str) -> str:
         names = {"dataset": Path(self.dataset).stem, "variant": self.bitune.variant, "method": self.bitune.method,
                  "rank": self.bitune.rank, "theta_init": self.bitune.theta_init, "seed": self.seed}
