@@ -38,10 +38,10 @@ class Scores:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each fine-tuned model")
-    parser.add_argument("--train-examples", type=int, default=160,
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps for each fine-tuned model")
+    parser.add_argument("--train-examples", type=int, default=120,
                         help="ARC-Easy training questions used (cycled if steps x batch needs more)")
-    parser.add_argument("--eval-examples", type=int, default=100,
+    parser.add_argument("--eval-examples", type=int, default=80,
                         help="held-out ARC-Easy validation questions scored per model")
     parser.add_argument("--batch-size", type=int, default=4, help="training batch size")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the paper's, for tasks)")
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def quickstart(out: Path, steps: int = 40, train_examples: int = 160, eval_examples: int = 100,
+def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 80,
                batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str = MODEL) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
     from .data.datasets import load_examples
