@@ -386,7 +386,6 @@ class BituneModel(nn.Module):
                 from peft.utils import set_peft_model_state_dict
                 path = directory / name / "adapter_model.safetensors"
                 state = _read_safetensors(path)
-                before = {k: p.detach().clone() for k, p in params.items()}
                 try:
                     result = set_peft_model_state_dict(self.weights.model, state, adapter_name=name)
                 except RuntimeError as e:
@@ -394,9 +393,8 @@ class BituneModel(nn.Module):
                 if result.unexpected_keys:
                     raise ValueError(f"{path}: unexpected tensors {result.unexpected_keys[:3]}: "
                                      "the checkpoint does not match this model/config")
-                n_expected = sum(1 for k in before)
-                if len(state) != n_expected:
-                    raise ValueError(f"{path}: holds {len(state)} tensors, this model expects {n_expected}: "
+                if len(state) != len(params):
+                    raise ValueError(f"{path}: holds {len(state)} tensors, this model expects {len(params)}: "
                                      "the checkpoint does not match this model/config")
             elif name == "causal":
                 path = directory / "causal" / BIDIR_FULL_FILE
