@@ -29,6 +29,7 @@ from torch import nn
 from . import cache as kv
 from .adapters import WeightSets
 from .config import BituneConfig
+from .files import replace_dir
 from .masks import concat_masks, pass_mask, position_ids
 from .mixer import Mixer
 
@@ -348,7 +349,7 @@ class BituneModel(nn.Module):
                     (tmp / "bidir").mkdir()
                     save_file({k: p.detach().cpu().contiguous() for k, p in self.weights.bidir.items()},
                               str(tmp / "bidir" / BIDIR_FULL_FILE))
-            _replace_dir(tmp, directory)
+            replace_dir(tmp, directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -443,18 +444,6 @@ def _load_strict_dict(params: nn.ParameterDict, state: dict, path: Path) -> None
             if state[k].shape != p.shape:
                 raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
             p.copy_(state[k])
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Atomically move ``src`` to ``dst``, replacing an existing ``dst`` only once ``src`` is complete."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 def _answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> BituneOutput:

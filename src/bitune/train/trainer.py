@@ -31,6 +31,7 @@ from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_pt_utils import safe_globals
 
 from ..errors import BituneError
+from ..files import replace_dir, write_text_atomic
 from ..model import BituneModel, read_config
 from .settings import TrainSettings
 
@@ -114,7 +115,7 @@ class BituneTrainer(Trainer):
             super()._save_checkpoint(model, trial)
             self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
             if main:
-                _replace_dir(self._staging / name, root / name)
+                replace_dir(self._staging / name, root / name)
         finally:
             if main:
                 shutil.rmtree(self._staging, ignore_errors=True)
@@ -357,7 +358,7 @@ def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: 
     if resume and not found:
         print(f"bitune train: no checkpoint in {out}; starting from scratch")
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(saved_path, settings.to_yaml())
+    write_text_atomic(saved_path, settings.to_yaml())
     return found[-1] if resume and found else None
 
 
@@ -416,7 +417,7 @@ def truncate_log(path: Path, step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut off by the interruption
-    _atomic_write(path, "".join(f"{line}\n" for line in kept))
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
@@ -434,23 +435,6 @@ def _rotate(root: Path, keep: int | None) -> None:
         return
     for old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def steps_for(n_examples: int, settings: TrainSettings, world_size: int = 1) -> int:
