@@ -1,0 +1,36 @@
+"""`bitune bench` runs end to end on a tiny local model and reports the ratios it promises."""
+
+from __future__ import annotations
+
+import json
+
+from gen_helpers import one_thread, save_checkpoint  # noqa: F401 (fixture)
+
+from bitune.cli import main
+
+
+def test_bench_train_reports_time_memory_and_flop_ratios(tmp_path):
+    save_checkpoint(tmp_path)
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--model", str(tmp_path / "base"), "--lengths", "8:8,16:4", "--steps", "1",
+                 "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["prompt"], r["answer"]) for r in rows] == [(8, 8), (16, 4)]
+    assert rows[0]["flop_ratio"] == 1.5 and rows[1]["flop_ratio"] == 36 / 20
+    for r in rows:
+        assert r["time_ratio"] > 0 and r["memory_ratio"] > 1  # Bitune saves more for backward than LoRA
+
+
+def test_bench_generate_reports_prefill_and_decode(tmp_path):
+    save_checkpoint(tmp_path)
+    out = tmp_path / "gen.json"
+    assert main(["bench", "generate", "--model", str(tmp_path / "base"), "--prompt-tokens", "12",
+                 "--new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["rows"]) == {"bitune", "lora", "base"}
+    assert result["prefill_ratio"] > 0 and result["decode_ratio"] > 0
+
+
+def test_bench_rejects_malformed_lengths(tmp_path, capsys):
+    assert main(["bench", "train", "--lengths", "64"]) == 2
+    assert "PROMPT:ANSWER" in capsys.readouterr().err
