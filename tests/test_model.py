@@ -297,3 +297,13 @@ def _wider_llama():
     from conftest import _COMMON
     cfg = LlamaConfig(**{**_COMMON, "hidden_size": 48, "num_key_value_heads": 2})
     return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("variant", ["bitune", "anti_causal"])
+def test_eager_and_sdpa_attention_give_the_same_losses(arch, variant):
+    losses = []
+    for attn in ("sdpa", "eager"):
+        model = BituneModel.wrap(tiny_model(arch, attn=attn), BituneConfig(variant=variant))
+        losses.append(perturb_adapters(model)(*batch()).example_loss)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)
