@@ -65,7 +65,7 @@ def parse_seeds(text: str) -> list[int]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Train each method with each seed from one training config, evaluate every run with "
                           "'bitune eval', and aggregate with 'bitune report'. Example:\n  bitune sweep --config "
-                          "configs/piqa.yaml --methods pretrained,lora,lora16,bitune --seeds 42,43,44 "
+                          "configs/tasks/piqa.yaml --methods pretrained,lora,lora16,bitune --seeds 42,43,44 "
                           "--tasks piqa --output-dir runs/piqa-sweep")
     parser.add_argument("--config", metavar="FILE.yaml", help="training config (as for 'bitune train')")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
