@@ -7,7 +7,6 @@ import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PhiConfig,
                           Qwen2Config)
 
-torch.set_num_threads(1)  # tiny models: one thread is fastest, and immune to a busy machine
 
 VOCAB = 64
 PAD, EOS, BOS = 0, 1, 2
@@ -23,6 +22,15 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(num_key_value_heads=2, sliding_window=64, **_COMMON),
     "phi": lambda: PhiConfig(**_COMMON),
 }
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (two threads thrash on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, attn: str = "sdpa"):

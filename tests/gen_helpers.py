@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-import torch
 from conftest import perturb_adapters, tiny_model
 from eval_helpers import tiny_tokenizer
 
@@ -16,13 +14,6 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>
 """A chat template in the tiny tokenizer's alphabet; each turn ends with the eos token."""
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run about 100x faster on one thread than on two threads of a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tiny_bitune(base_dir: str | None = None, variant: str = "bitune", scale: float = 0.3) -> BituneModel:

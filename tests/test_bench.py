@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gen_helpers import one_thread, save_checkpoint  # noqa: F401 (fixture)
+from gen_helpers import save_checkpoint
 
 from bitune.cli import main
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PAD
 from eval_helpers import tiny_tokenizer
-from gen_helpers import CHAT_TEMPLATE, one_thread, save_checkpoint, tiny_bitune  # noqa: F401 (autouse fixture)
+from gen_helpers import CHAT_TEMPLATE, save_checkpoint, tiny_bitune
 
 from bitune.cache import layer_kv
 from bitune.chat import Conversation

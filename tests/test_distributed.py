@@ -27,12 +27,6 @@ TRAINABLE = [v for v in VARIANTS if v != "pretrained"]
 ACCELERATE_CONFIGS = HERE.parent / "configs" / "accelerate"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from eval_helpers import tiny_tokenizer
-from gen_helpers import one_thread, save_checkpoint, tiny_bitune  # noqa: F401 (autouse fixture)
+from gen_helpers import save_checkpoint, tiny_bitune
 
 from bitune.cli import main
 from bitune.data.collate import tokenize_example

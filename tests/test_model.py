@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from peft import PeftModel
 
 from bitune import BituneConfig, BituneModel
 from bitune.cache import layer_kv
-from conftest import EOS, PAD, batch, perturb_adapters, row, tiny_model
+from conftest import PAD, batch, perturb_adapters, row, tiny_model
 
 ARCHS = ["llama", "gemma3", "qwen2", "mistral", "phi"]
 TWO_PASS = ["bitune", "naive_bidir", "no_mixing", "only_causal", "shared_weights", "anti_causal"]

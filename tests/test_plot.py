@@ -7,7 +7,7 @@ import torch
 import transformers
 from conftest import CONFIGS, EOS, VOCAB
 from eval_helpers import tiny_tokenizer
-from gen_helpers import one_thread, save_checkpoint, tiny_bitune  # noqa: F401 (autouse fixture)
+from gen_helpers import save_checkpoint, tiny_bitune
 
 from bitune import BituneModel
 from bitune.cli import main

@@ -18,13 +18,6 @@ from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, checkpoints, run_training
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and two threads thrash on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def samples(n: int = 8, seed: int = 0) -> list[dict]:

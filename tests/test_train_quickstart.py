@@ -14,13 +14,6 @@ from bitune.data.templates import Example
 from bitune.quickstart import score_choices
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (two thrash on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class CharTokenizer:

@@ -25,35 +25,10 @@ TEMPLATES = ("paper", "chat", "none")
 # --------------------------------------------------------------------------------------------------- loading
 def load(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
          dtype: str = "float32", device: str | None = None):
-    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant (see ``bitune.hub.load_bitune``)."""
+    from .hub import load_bitune
 
-    Args:
-        checkpoint: a folder written by ``BituneModel.save_pretrained``.
-        model: a base model name or folder (instead of ``checkpoint``).
-        base: with ``checkpoint``, the base model to load instead of the recorded one.
-        dtype: parameter dtype name. Default float32.
-        device: torch device; default cuda if available, else cpu.
-
-    Returns:
-        ``(BituneModel, tokenizer)`` in eval mode; the tokenizer pads on the left.
-    """
-    from .config import BituneConfig
-    from .hub import load_model
-    from .model import BituneModel, read_config
-
-    if (checkpoint is None) == (model is None):
-        raise BituneError("give exactly one of --checkpoint DIR (a Bitune checkpoint) or --model NAME (a base model)")
-    if checkpoint is not None:
-        name = base or read_config(Path(checkpoint)).base_model
-        if not name:
-            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; pass --base NAME")
-        hf_model, tokenizer = load_model(name, dtype=dtype)
-        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model)
-    else:
-        hf_model, tokenizer = load_model(model, dtype=dtype)
-        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return bitune.to(device).eval(), tokenizer
+    return load_bitune(checkpoint, model, base, dtype, device)
 
 
 # --------------------------------------------------------------------------------------------------- prompts

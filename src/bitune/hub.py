@@ -379,3 +379,35 @@ def load_model(
             f"safetensors weights, and not loadable from the Hugging Face hub ({reason})"
         ) from err
     return model, prepare_tokenizer(tokenizer)
+
+
+def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
+                dtype: torch.dtype | str = "float32", device: str | None = None):
+    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+
+    Args:
+        checkpoint: a folder written by ``BituneModel.save_pretrained``.
+        model: a base model name or folder (instead of ``checkpoint``).
+        base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
+        dtype: parameter dtype. Default float32.
+        device: torch device; default cuda if available, else cpu.
+
+    Returns:
+        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
+    """
+    from .config import BituneConfig
+    from .model import BituneModel, read_config
+
+    if (checkpoint is None) == (model is None):
+        raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    if checkpoint is not None:
+        name = base or read_config(Path(checkpoint)).base_model
+        if not name:
+            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
+        hf_model, tokenizer = load_model(name, dtype=dtype)
+        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model)
+    else:
+        hf_model, tokenizer = load_model(model, dtype=dtype)
+        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return bitune.to(device).eval(), tokenizer

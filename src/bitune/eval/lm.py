@@ -26,7 +26,6 @@ checkpoint=DIR --tasks bitune_piqa --include_path $(python -m bitune.eval.tasks)
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,23 +55,9 @@ def load_for_eval(checkpoint: str | None = None, pretrained: str | None = None, 
     Returns:
         ``(BituneModel, tokenizer)``, the model in eval mode on ``device``.
     """
-    from ..config import BituneConfig
-    from ..hub import load_model
-    from ..model import read_config
+    from ..hub import load_bitune
 
-    if (checkpoint is None) == (pretrained is None):
-        raise BituneError("give exactly one of checkpoint=DIR (a Bitune checkpoint) or pretrained=NAME (a base model)")
-    if checkpoint is not None:
-        config = read_config(Path(checkpoint))
-        name = base or config.base_model
-        if not name:
-            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; pass base=NAME")
-        hf_model, tokenizer = load_model(name, dtype=dtype)
-        model = BituneModel.from_pretrained(checkpoint, base=hf_model)
-    else:
-        hf_model, tokenizer = load_model(pretrained, dtype=dtype)
-        model = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=pretrained))
-    return model.to(device).eval(), tokenizer
+    return load_bitune(checkpoint, pretrained, base, dtype, device)
 
 
 @register_model("bitune")
