@@ -1,4 +1,4 @@
-"""The batched two-pass forward computes exactly what two sequential prompt passes compute."""
+"""The fused and batched forwards compute exactly what sequential prompt passes and answer pass compute."""
 
 from __future__ import annotations
 
@@ -9,14 +9,71 @@ from bitune import BituneConfig, BituneModel
 from conftest import PAD, batch, perturb_adapters, tiny_model
 
 TWO_PASS = ["bitune", "only_causal", "shared_weights", "anti_causal"]
+ONE_PASS = ["naive_bidir", "no_mixing"]
 
 
-def _pair(arch, variant, method="lora"):
+def _pair(arch, variant, method="lora", mode="batched", attn="sdpa"):
     models = []
-    for mode in ("sequential", "batched"):
-        cfg = BituneConfig(variant=variant, method=method, prompt_passes=mode)
-        models.append(perturb_adapters(BituneModel.wrap(tiny_model(arch), cfg)))
+    for m in ("sequential", mode):
+        cfg = BituneConfig(variant=variant, method=method, prompt_passes=m)
+        models.append(perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg)))
     return models
+
+
+def _assert_same_loss_logits_grads(fast, seq, tensors):
+    out_f, out_s = fast(*tensors), seq(*tensors)
+    real = tensors[3].bool()  # logits at answer padding are never used
+    torch.testing.assert_close(out_f.loss, out_s.loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out_f.logits[real], out_s.logits[real], atol=1e-5, rtol=0)
+    out_f.loss.backward()
+    out_s.loss.backward()
+    grads_s = {k: p.grad for k, p in seq.trainable_parameters().items()}
+    for k, p in fast.trainable_parameters().items():
+        assert (p.grad is None) == (grads_s[k] is None), k
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads_s[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager"), ("qwen2", "eager"),
+                                       ("mistral", "sdpa"), ("phi", "sdpa")])
+@pytest.mark.parametrize("variant", TWO_PASS + ONE_PASS)
+def test_fused_forward_equals_sequential(arch, attn, variant):
+    seq, fused = _pair(arch, variant, mode="fused", attn=attn)
+    assert fused.fuses and not seq.fuses
+    tensors = batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window (4) < its prompts
+    calls = []
+    fused.weights.base.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
+                                                 with_kwargs=True)
+    _assert_same_loss_logits_grads(fused, seq, tensors)
+    passes = len(fused.config.passes)
+    assert calls == [(3, passes * 6 + 5)], "prompt passes and answer pass must run as one forward"
+    assert fused.weights.base.config._attn_implementation == attn  # the model's own attention is back
+
+
+def test_fused_forward_restores_the_attention_implementation_after_an_error(monkeypatch):
+    model = BituneModel.wrap(tiny_model("llama"), BituneConfig())
+    loss = model(*batch()).loss
+    with monkeypatch.context() as m:
+        m.setattr(model.mixer, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            model(*batch())
+    assert model.weights.base.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(model(*batch()).loss, loss, atol=0, rtol=0)  # and it still works
+
+
+def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
+    assert BituneModel.wrap(tiny_model("llama"), BituneConfig()).fuses  # LoRA, the default
+    for method in ("ia3", "dora", "full"):
+        model = BituneModel.wrap(tiny_model("llama"), BituneConfig(method=method))
+        assert not model.fuses, method
+    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="shared_weights", method="ia3")).fuses
+
+
+def test_fused_forward_refuses_gradient_checkpointing():
+    model = BituneModel.wrap(tiny_model("llama"), BituneConfig()).train()
+    model.weights.base.activation_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient checkpointing"):
+        model(*batch())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -17,8 +17,11 @@ def test_bench_train_reports_time_memory_and_flop_ratios(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["prompt"], r["answer"]) for r in rows] == [(8, 8), (16, 4)]
     assert rows[0]["flop_ratio"] == 1.5 and rows[1]["flop_ratio"] == 36 / 20
+    assert json.loads(out.read_text())["default"] == "fused"  # what prompt_passes="auto" trains with
     for r in rows:
-        assert r["time_ratio"] > 0 and r["memory_ratio"] > 1  # Bitune saves more for backward than LoRA
+        assert r["time_ratio"] == r["time_ratio_fused"] > 0
+        for path in ("fused", "batched", "sequential"):
+            assert r[f"memory_ratio_{path}"] > 1  # Bitune saves more for backward than LoRA
 
 
 def test_bench_generate_reports_prefill_and_decode(tmp_path):
@@ -27,10 +30,18 @@ def test_bench_generate_reports_prefill_and_decode(tmp_path):
     assert main(["bench", "generate", "--model", str(tmp_path / "base"), "--prompt-tokens", "12",
                  "--new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"bitune", "lora", "base"}
-    assert result["prefill_ratio"] > 0 and result["decode_ratio"] > 0
+    assert set(result["rows"]) == {"bitune_batched", "bitune_sequential", "lora", "base"}
+    assert result["default"] == "batched"  # what prompt_passes="auto" reads prompts with
+    assert result["prefill_ratio"] > 0 and result["decode_ratio"] > 0 and result["prefill_ratio_sequential"] > 0
 
 
 def test_bench_rejects_malformed_lengths(tmp_path, capsys):
     assert main(["bench", "train", "--lengths", "64"]) == 2
     assert "PROMPT:ANSWER" in capsys.readouterr().err
+
+
+def test_bench_rejects_impossible_counts(capsys):
+    assert main(["bench", "generate", "--new-tokens", "1"]) == 2
+    assert "--new-tokens >= 2" in capsys.readouterr().err
+    assert main(["bench", "train", "--steps", "0"]) == 2
+    assert "--steps >= 1" in capsys.readouterr().err

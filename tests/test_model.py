@@ -261,6 +261,10 @@ def test_bad_inputs_raise_value_errors_naming_the_problem():
     one_token[1, :-1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         model(p_ids, one_token, a_ids, a_mask)
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 64\)"):
+        model(p_ids, p_mask, a_ids + 64, a_mask)
+    with pytest.raises(ValueError, match="token ids"):
+        model.generate(p_ids - 100, p_mask)
 
 
 def test_bad_configs_and_architectures_are_rejected():

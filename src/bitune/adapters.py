@@ -12,7 +12,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
@@ -85,35 +87,59 @@ class WeightSets(nn.Module):
         return self.model.get_base_model() if self.peft else self.model
 
     def can_route_rows(self, names: list[str]) -> bool:
-        """Whether one forward can apply different weight sets to different rows (plain LoRA, or one set)."""
-        return len(set(names)) == 1 or (self.method == "lora" and self.peft)
+        """Whether one forward can apply different weight sets to different rows or positions (plain LoRA,
+        or one set)."""
+        return len(set(names)) == 1 or (self.method == "lora" and self.peft and all(
+            isinstance(layer, LoraLinear) for layer in self._tuner_layers))
 
     def call_rows(self, names: list[str], **kwargs):
-        """Run one forward whose row r uses weight set ``names[r]``; rows of one set must be contiguous.
+        """Run one forward whose row r uses weight set ``names[r]``."""
+        return self._call_routed([(name, 1) for name in names], 0, kwargs)
 
-        Each LoRA layer computes its frozen base projection once over all rows and adds every set's low-rank
-        update to its own contiguous row block (views, no gathers), with gradients.
+    def call_segments(self, segments: list[tuple[str, int]], **kwargs):
+        """Run one forward whose input positions are split into ``(weight set, length)`` segments, in order."""
+        return self._call_routed(segments, 1, kwargs)
+
+    def _call_routed(self, blocks: list[tuple[str, int]], dim: int, kwargs):
+        """One forward where each block of rows (dim 0) or positions (dim 1) uses its own weight set.
+
+        Each LoRA layer computes its frozen base projection once over everything, then all sets' low-rank
+        updates in two matrix products over everything: ``x [A_1; A_2]^T`` is gated so that each block keeps
+        only its own set's r columns (times that set's scaling), then multiplied by ``[B_1, B_2]``. That costs
+        as many operations as one adapter, with gradients to every set.
         """
-        if len(set(names)) == 1:
+        merged: list[tuple[str, int]] = []  # neighbouring blocks of one weight set become one
+        for name, size in blocks:
+            if merged and merged[-1][0] == name:
+                merged[-1] = (name, merged[-1][1] + size)
+            else:
+                merged.append((name, size))
+        names = list(dict.fromkeys(name for name, _ in merged))
+        if len(names) == 1:
             return self.call(names[0], **kwargs)
         if not self.can_route_rows(names):
-            raise ValueError(f"method {self.method!r} cannot mix weight sets within one batch")
-        blocks, start = [], 0  # (name, first row, end row)
-        for i in range(1, len(names) + 1):
-            if i == len(names) or names[i] != names[start]:
-                blocks.append((names[start], start, i))
-                start = i
-        if len({n for n, _, _ in blocks}) != len(blocks):
-            raise ValueError("rows of one weight set must be contiguous")
+            raise ValueError(f"method {self.method!r} cannot mix weight sets within one forward")
+        gates: dict[tuple, torch.Tensor] = {}
+
+        def gate(layer, like: torch.Tensor) -> torch.Tensor:
+            """(rows or positions, 1, sets * r) or (positions, sets * r): each block's scaling on its own set."""
+            ranks = tuple(layer.r[n] for n in names)
+            scales = tuple(layer.scaling[n] for n in names)
+            key = (ranks, scales, like.dtype, like.device)
+            if key not in gates:
+                cols = torch.tensor([i for i, r in enumerate(ranks) for _ in range(r)], device=like.device)
+                owner = torch.tensor([names.index(n) for n, size in merged for _ in range(size)], device=like.device)
+                scale = torch.tensor([scales[i] for i in cols.tolist()], dtype=like.dtype, device=like.device)
+                g = (owner[:, None] == cols[None, :]).to(like.dtype) * scale  # (N, sets * r)
+                gates[key] = g[:, None, :] if dim == 0 else g
+            return gates[key]
 
         def add_updates(layer, args, output):
-            x = args[0]
-            parts = []
-            for name, lo, hi in blocks:
-                xs = x[lo:hi].to(layer.lora_A[name].weight.dtype)  # (rows, T, d_in)
-                delta = layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](xs))) * layer.scaling[name]
-                parts.append(output[lo:hi] + delta.to(output.dtype))  # (rows, T, d_out)
-            return torch.cat(parts)
+            weight_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sets * r, d_in)
+            weight_b = torch.cat([layer.lora_B[n].weight for n in names], dim=1)  # (d_out, sets * r)
+            x = layer.lora_dropout[names[0]](args[0].to(weight_a.dtype))  # one dropout (all sets share p)
+            h = F.linear(x, weight_a)  # (..., sets * r)
+            return output + F.linear(h * gate(layer, h), weight_b).to(output.dtype)
 
         lora_layers = [layer for layer in self._tuner_layers if isinstance(layer, LoraLayer)]
         handles = [layer.register_forward_hook(add_updates) for layer in lora_layers]

@@ -1,9 +1,10 @@
 """``bitune bench``: training and generation speed and memory of Bitune against the LoRA baseline.
 
-``train`` times full optimizer steps of Bitune (batched and sequential prompt passes) and the LoRA baseline on
+``train`` times full optimizer steps of Bitune (fused, batched and sequential passes) and the LoRA baseline on
 the same model, batch and lengths, interleaving them step by step so machine drift hits all alike, and prints
 each ratio next to the FLOP ratio (2P + A) / (P + A), the floor of a perfect implementation (paper A.4).
-``generate`` reproduces the paper's inference table (section 3.4): prefill a long prompt, generate N tokens.
+``generate`` reproduces the paper's inference table (section 3.4): prefill a long prompt, generate N tokens;
+a streamer timestamps every new token, so prefill time and decode rate come from the same call.
 Peak memory is the allocator's peak on CUDA; on CPU it is parameters + gradients + optimizer state + the
 tensors autograd saves for backward (counted by storage), the part that differs between methods.
 """
@@ -41,6 +42,10 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
+    if args.bench == "generate" and (args.new_tokens < 2 or args.prompt_tokens < 2 or args.repeats < 1):
+        raise ValueError("bench generate needs --prompt-tokens >= 2, --new-tokens >= 2 and --repeats >= 1")
+    if args.bench == "train" and (args.steps < 1 or args.batch_size < 1):
+        raise ValueError("bench train needs --steps >= 1 and --batch-size >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = bench_train(args) if args.bench == "train" else bench_generate(args)
@@ -78,6 +83,27 @@ def _random_batch(vocab: int, B: int, P: int, A: int, device, seed: int = 0):
     prompt = torch.randint(low, vocab, (B, P), generator=g).to(device)
     answer = torch.randint(low, vocab, (B, A), generator=g).to(device)
     return prompt, torch.ones_like(prompt), answer, torch.ones_like(answer)
+
+
+class _TokenClock:
+    """A ``generate`` streamer that timestamps each new token: prefill = start to the first new token, decode
+    rate = tokens after the first over the time since the first, all from the same call."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate first hands the streamer the prompt
+            self._prompt_seen = True
+            return
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 class _SavedBytes:
@@ -127,10 +153,10 @@ def bench_train(args) -> dict:
         raise ValueError(f"--lengths {args.lengths!r}: expected PROMPT:ANSWER pairs, e.g. 64:64,256:64") from None
     if any(p < 2 or a < 1 for p, a in lengths):
         raise ValueError(f"--lengths {args.lengths!r}: prompts need >= 2 tokens and answers >= 1")
-    methods = {"lora": dict(variant="lora"), "bitune_batched": dict(variant="bitune", prompt_passes="batched"),
-               "bitune_sequential": dict(variant="bitune", prompt_passes="sequential")}
-    default = "bitune_batched" if device.type == "cuda" else "bitune_sequential"  # what prompt_passes="auto" runs
+    paths = ("fused", "batched", "sequential")
+    methods = {"lora": dict(variant="lora"), **{f"bitune_{p}": dict(variant="bitune", prompt_passes=p) for p in paths}}
     models = {name: _build(args.model, device=device, dtype=dtype, **kw)[0] for name, kw in methods.items()}
+    default = "bitune_fused" if models["bitune_fused"].fuses else "bitune_sequential"  # what "auto" trains with
     opts = {name: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for name, m in models.items()}
     vocab = models["lora"].text_config.vocab_size
     rows = []
@@ -147,32 +173,34 @@ def bench_train(args) -> dict:
         med = {name: statistics.median(t) for name, t in times.items()}
         row = {"prompt": P, "answer": A, "flop_ratio": (2 * P + A) / (P + A),
                **{f"{n}_s": med[n] for n in models}, **{f"{n}_peak_mb": peak[n] / 2**20 for n in models}}
-        for name in ("bitune_batched", "bitune_sequential"):
-            row[f"time_ratio_{name.split('_')[1]}"] = med[name] / med["lora"]
-            row[f"memory_ratio_{name.split('_')[1]}"] = peak[name] / peak["lora"]
+        for p in paths:
+            row[f"time_ratio_{p}"] = med[f"bitune_{p}"] / med["lora"]
+            row[f"memory_ratio_{p}"] = peak[f"bitune_{p}"] / peak["lora"]
         row["time_ratio"] = med[default] / med["lora"]
         row["memory_ratio"] = peak[default] / peak["lora"]
         rows.append(row)
-    _print_train(rows, args, device, dtype)
+    _print_train(rows, args, device, dtype, default)
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "batch_size": args.batch_size,
-            "threads": torch.get_num_threads(), "rows": rows}
+            "threads": torch.get_num_threads(), "default": default.removeprefix("bitune_"), "rows": rows}
 
 
-def _print_train(rows, args, device, dtype) -> None:
+def _print_train(rows, args, device, dtype, default) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    default = default.removeprefix("bitune_")
     table = Table(title=f"Training step, {args.model}, {device.type} {str(dtype).removeprefix('torch.')}, "
-                        f"batch {args.batch_size}, median of {args.steps}")
-    for col in ("P", "A", "LoRA s", "batched s", "sequential s", "FLOP ratio", "batched / LoRA",
-                "sequential / LoRA", "default / FLOP", "memory batched", "memory sequential"):
+                        f"batch {args.batch_size}, median of {args.steps} (default path: {default})")
+    for col in ("P", "A", "path", "s / step", "/ LoRA", "FLOP ratio", "/ FLOP ratio", "memory / LoRA"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["prompt"]), str(r["answer"]), f"{r['lora_s']:.3f}", f"{r['bitune_batched_s']:.3f}",
-                      f"{r['bitune_sequential_s']:.3f}", f"{r['flop_ratio']:.2f}", f"{r['time_ratio_batched']:.2f}",
-                      f"{r['time_ratio_sequential']:.2f}", f"{r['time_ratio'] / r['flop_ratio']:.2f}",
-                      f"{r['memory_ratio_batched']:.2f}", f"{r['memory_ratio_sequential']:.2f}")
+        table.add_row(str(r["prompt"]), str(r["answer"]), "LoRA", f"{r['lora_s']:.3f}", "1", "", "", "1")
+        for p in ("fused", "batched", "sequential"):
+            ratio = r[f"time_ratio_{p}"]
+            table.add_row("", "", p + (" *" if p == default else ""), f"{r[f'bitune_{p}_s']:.3f}", f"{ratio:.2f}",
+                          f"{r['flop_ratio']:.2f}", f"{ratio / r['flop_ratio']:.2f}", f"{r[f'memory_ratio_{p}']:.2f}")
     Console().print(table)
+    Console().print("* what prompt_passes='auto' trains with. Targets: time / FLOP ratio <= 1.05; memory <= 1.6 at P = A.")
 
 
 @torch.no_grad()
@@ -185,42 +213,44 @@ def bench_generate(args) -> dict:
     prompt = _random_batch(bitune.text_config.vocab_size, 1, args.prompt_tokens, 1, device)[:2]
     gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
 
-    def bitune_generate(n):
-        return bitune.generate(*prompt, max_new_tokens=n, min_new_tokens=n, **gen)
+    def bitune_generate(passes):
+        def run(n, streamer):
+            bitune.config.prompt_passes = passes  # same weights, prompt read batched or sequentially
+            return bitune.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
+        return run
 
-    def lora_generate(n):  # the plain PEFT model, transformers' own generate from scratch
+    def lora_generate(n, streamer):  # the plain PEFT model, transformers' own generate from scratch
         return lora.weights.model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
-                                           min_new_tokens=n, **gen)
+                                           min_new_tokens=n, streamer=streamer, **gen)
 
-    def base_generate(n):
+    def base_generate(n, streamer):
         with lora.weights.model.disable_adapter():
-            return lora.weights.model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
-                                               min_new_tokens=n, **gen)
+            return lora_generate(n, streamer)
 
-    def timed(fn, n):
-        _sync(device)
-        start = time.perf_counter()
-        out = fn(n)
-        _sync(device)
-        assert out.shape[-1] >= n
-        return time.perf_counter() - start
-
-    runners = {"bitune": bitune_generate, "lora": lora_generate, "base": base_generate}
+    runners = {"bitune_batched": bitune_generate("batched"), "bitune_sequential": bitune_generate("sequential"),
+               "lora": lora_generate, "base": base_generate}
+    default = "bitune_batched" if bitune.weights.can_route_rows(["causal", "bidir"]) else "bitune_sequential"
     for fn in runners.values():
-        fn(2)  # warm-up
-    samples = {name: {"first": [], "total": []} for name in runners}
+        fn(2, None)  # warm-up
+    samples = {name: [] for name in runners}
     for _ in range(args.repeats):
         for name, fn in runners.items():
-            samples[name]["first"].append(timed(fn, 1))
-            samples[name]["total"].append(timed(fn, args.new_tokens))
+            clock = _TokenClock(device)
+            out = fn(args.new_tokens, clock)
+            assert out.shape[-1] >= args.new_tokens and len(clock.times) == args.new_tokens
+            samples[name].append(clock)
     rows = {}
-    for name, s in samples.items():
-        first, total = statistics.median(s["first"]), statistics.median(s["total"])
-        rows[name] = {"prefill_s": first, "total_s": total,
-                      "decode_tok_s": (args.new_tokens - 1) / max(total - first, 1e-9)}
-    summary = {"prefill_ratio": rows["bitune"]["prefill_s"] / rows["lora"]["prefill_s"],
-               "decode_ratio": rows["bitune"]["decode_tok_s"] / rows["lora"]["decode_tok_s"],
-               "total_ratio": rows["bitune"]["total_s"] / rows["lora"]["total_s"]}
+    for name, clocks in samples.items():
+        rows[name] = {"prefill_s": statistics.median(c.times[0] - c.start for c in clocks),
+                      "decode_tok_s": statistics.median((len(c.times) - 1) / (c.times[-1] - c.times[0])
+                                                        for c in clocks),
+                      "total_s": statistics.median(c.times[-1] - c.start for c in clocks)}
+    summary = {"default": default.removeprefix("bitune_")}
+    for name in ("bitune_batched", "bitune_sequential"):
+        suffix = "" if name == default else "_" + name.removeprefix("bitune_")
+        summary.update({f"prefill_ratio{suffix}": rows[name]["prefill_s"] / rows["lora"]["prefill_s"],
+                        f"decode_ratio{suffix}": rows[name]["decode_tok_s"] / rows["lora"]["decode_tok_s"],
+                        f"total_ratio{suffix}": rows[name]["total_s"] / rows["lora"]["total_s"]})
     from rich.console import Console
     from rich.table import Table
 
@@ -231,7 +261,10 @@ def bench_generate(args) -> dict:
     for name, r in rows.items():
         table.add_row(name, f"{r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}", f"{r['total_s']:.2f}")
     Console().print(table)
-    Console().print(f"Bitune / LoRA: prefill {summary['prefill_ratio']:.2f}x, decode tok/s "
-                    f"{summary['decode_ratio']:.3f}x, total {summary['total_ratio']:.3f}x")
+    other = "batched" if summary["default"] == "sequential" else "sequential"
+    Console().print(f"Bitune ({summary['default']}, the default here) / LoRA: prefill {summary['prefill_ratio']:.2f}x, "
+                    f"decode tok/s {summary['decode_ratio']:.3f}x, total {summary['total_ratio']:.3f}x; "
+                    f"{other}: prefill {summary[f'prefill_ratio_{other}']:.2f}x, decode tok/s "
+                    f"{summary[f'decode_ratio_{other}']:.3f}x. Targets: prefill <= 2.05x, decode >= 0.97x.")
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}

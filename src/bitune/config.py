@@ -24,6 +24,7 @@ METHODS: dict[str, str] = {
     "full": "full fine-tuning; Bitune variants keep a second full copy for the bidirectional pass",
 }
 PASS_MASKS = ("causal", "bidirectional", "anti_causal")
+PROMPT_PASSES = ("auto", "fused", "batched", "sequential")
 
 
 @dataclass
@@ -49,9 +50,12 @@ class BituneConfig:
     theta_init: float = 0.01
     """Initial value of every mixing parameter theta; the mixing ratio a = |theta| / (theta_init + |theta|) starts at 0.5."""
     prompt_passes: str = "auto"
-    """How two prompt passes run: ``"batched"`` (one forward over 2B rows, each row with its own weights and
-    mask; plain LoRA or shared weights only, otherwise sequential), ``"sequential"`` (two forwards), or
-    ``"auto"``: batched on CUDA, sequential on CPU, where ``bitune bench train`` measured it faster."""
+    """How the passes run. ``"fused"``: a training/scoring forward is one forward over 2T + A positions (both
+    prompt passes and the answer pass, each segment with its own weights and mask); reading a prompt alone
+    (generation, evaluation) runs both prompt passes as one forward over 2B rows. ``"batched"``: always the
+    latter, then the answer pass. ``"sequential"``: one forward per pass. ``"auto"`` (default): what ``bitune
+    bench`` measured fastest, currently the same as ``"fused"``. Fused and batched need plain LoRA or one shared
+    weight set; other methods always run sequentially."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
 
@@ -60,9 +64,8 @@ class BituneConfig:
         _check_choice("method", self.method, METHODS)
         if self.variant == "pretrained" and self.method != "lora":
             raise ValueError("BituneConfig.method: the 'pretrained' variant trains nothing; leave method='lora'")
-        if self.prompt_passes not in ("auto", "batched", "sequential"):
-            raise ValueError(f"BituneConfig.prompt_passes={self.prompt_passes!r} is not one of "
-                             "['auto', 'batched', 'sequential']")
+        if self.prompt_passes not in PROMPT_PASSES:
+            raise ValueError(f"BituneConfig.prompt_passes={self.prompt_passes!r} is not one of {list(PROMPT_PASSES)}")
         if not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
         if not self.lora_alpha > 0:

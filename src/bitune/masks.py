@@ -73,7 +73,6 @@ def pass_mask(
     if attn_implementation not in ("eager", "sdpa", "flex_attention"):
         raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
                          "load the model with attn_implementation='sdpa' or 'eager'")
-    layer_types = set(getattr(config, "layer_types", None) or ())
 
     def build(window: int | None) -> torch.Tensor:
         allowed = _allowed(attention_mask, kind, window)  # (B, 1, T, T)
@@ -85,6 +84,55 @@ def pass_mask(
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)
 
+    return _per_layer_type(build, config)
+
+
+def fused_mask(
+    prompt_mask: torch.Tensor, step_mask: torch.Tensor, kinds: list[str], read: int, dtype: torch.dtype, config,
+    attn_implementation: str = "sdpa",
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask of one forward over ``[prompt pass 1 | ... | prompt pass n | answer pass]`` (all passes at once).
+
+    Query positions are the ``S = n * T + A`` input tokens; key positions are those ``S`` followed by any extra
+    block the cache appends (:class:`bitune.cache.FusedCache` appends the T mixed prompt positions). Pass i sees
+    its own T tokens with mask ``kinds[i]``; the answer pass sees the T prompt keys starting at key ``read``
+    (its prompt cache: one pass's keys, or the mixed block) and its own tokens causally.
+
+    Args:
+        prompt_mask: (B, T) 1 for real prompt-pass tokens (left padding).
+        step_mask: (B, A) 1 for real answer-pass tokens (right padding).
+        kinds: the mask kind of each prompt pass, in sequence order.
+        read: first key position of the T prompt keys the answer pass attends to.
+
+    Returns:
+        (B, 1, S, K) mask, K = max(S, read + T); or ``{layer_type: mask}`` for models with sliding windows.
+    """
+    if attn_implementation not in ("eager", "sdpa", "flex_attention"):
+        raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
+                         "load the model with attn_implementation='sdpa' or 'eager'")
+    B, T = prompt_mask.shape
+    A = step_mask.shape[1]
+    S = len(kinds) * T + A
+    K = max(S, read + T)
+
+    def build(window: int | None) -> torch.Tensor:
+        allowed = torch.zeros(B, 1, S, K, dtype=torch.bool, device=prompt_mask.device)
+        for i, kind in enumerate(kinds):
+            allowed[:, :, i * T:(i + 1) * T, i * T:(i + 1) * T] = _allowed(prompt_mask, kind, window)
+        answer = _allowed(torch.cat([prompt_mask, step_mask], dim=1), "causal", window)[:, :, T:]  # (B,1,A,T+A)
+        allowed[:, :, S - A:, read:read + T] = answer[..., :T]
+        allowed[:, :, S - A:, S - A:S] = answer[..., T:]
+        if attn_implementation != "eager":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)
+
+    return _per_layer_type(build, config)
+
+
+def _per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``build(window)`` once, or once per layer type for models with sliding-window layers."""
+    layer_types = set(getattr(config, "layer_types", None) or ())
     if "sliding_attention" in layer_types:
         window = getattr(config, "sliding_window", None)
         return {"full_attention": build(None), "sliding_attention": build(window)}
