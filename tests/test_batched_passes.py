@@ -106,3 +106,12 @@ def test_methods_that_cannot_route_rows_fall_back_to_sequential():
                                                with_kwargs=True)
     bat(*batch())
     assert calls[:2] == [3, 3]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fused_equals_sequential_in_bfloat16(arch):
+    losses = []
+    for mode in ("sequential", "fused"):
+        model = BituneModel.wrap(tiny_model(arch, dtype=torch.bfloat16), BituneConfig(prompt_passes=mode))
+        losses.append(perturb_adapters(model)(*batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))).loss.float())
+    torch.testing.assert_close(losses[0], losses[1], atol=5e-3, rtol=0)

@@ -281,6 +281,10 @@ def test_bad_configs_and_architectures_are_rejected():
     peft_model = wrap("llama").weights.model
     with pytest.raises(ValueError, match="PeftModel"):
         BituneModel.wrap(peft_model)
+    with pytest.raises(ValueError, match="'flex_attention' is not supported"):
+        BituneModel.wrap(tiny_model("llama", attn="flex_attention"))
+    with pytest.raises(ValueError, match="prompt_passes"):
+        BituneConfig(prompt_passes="parallel")
 
 
 def test_incompatible_or_corrupt_checkpoints_are_rejected(tmp_path):

@@ -63,16 +63,14 @@ def pass_mask(
         kind: ``"causal"``, ``"bidirectional"`` or ``"anti_causal"``.
         dtype: the model's compute dtype (additive masks for eager attention must match it).
         config: the model's text config; its ``layer_types`` / ``sliding_window`` decide the form.
-        attn_implementation: ``"eager"`` gets an additive float mask, sdpa/flex a boolean one (True = attend).
+        attn_implementation: ``"eager"`` gets an additive float mask, ``"sdpa"`` a boolean one (True = attend).
         past_mask: (B, T_past) mask of tokens already in the cache, which every new token may see; None if the
             cache is empty.
 
     Returns:
         (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
     """
-    if attn_implementation not in ("eager", "sdpa", "flex_attention"):
-        raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
-                         "load the model with attn_implementation='sdpa' or 'eager'")
+    _check_implementation(attn_implementation)
 
     def build(window: int | None) -> torch.Tensor:
         allowed = _allowed(attention_mask, kind, window)  # (B, 1, T, T)
@@ -107,9 +105,7 @@ def fused_mask(
     Returns:
         (B, 1, S, K) mask, K = max(S, read + T); or ``{layer_type: mask}`` for models with sliding windows.
     """
-    if attn_implementation not in ("eager", "sdpa", "flex_attention"):
-        raise ValueError(f"attention implementation {attn_implementation!r} takes no custom masks; "
-                         "load the model with attn_implementation='sdpa' or 'eager'")
+    _check_implementation(attn_implementation)
     B, T = prompt_mask.shape
     A = step_mask.shape[1]
     S = len(kinds) * T + A
@@ -128,6 +124,12 @@ def fused_mask(
             ~allowed, torch.finfo(dtype).min)
 
     return _per_layer_type(build, config)
+
+
+def _check_implementation(name: str) -> None:
+    if name not in ("eager", "sdpa"):
+        raise ValueError(f"attention implementation {name!r} is not supported (Bitune passes its own 4D masks, "
+                         "tested with sdpa and eager); load the model with attn_implementation='sdpa' or 'eager'")
 
 
 def _per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
