@@ -48,7 +48,8 @@ def _inner_function(module: nn.Module, name: str):
     if name == "eager":  # each modeling file has its own eager function (soft-capping, sinks, ...)
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
         if eager is None:
-            raise ValueError(f"{type(module).__name__}: no eager attention function found; use attn_implementation='sdpa'")
+            raise ValueError(f"{type(module).__name__}: no eager attention function found; "
+                             "use attn_implementation='sdpa'")
         return eager
     return ALL_ATTENTION_FUNCTIONS[name]
 

@@ -5,8 +5,9 @@ the same model, batch and lengths, interleaving them step by step so machine dri
 each ratio next to the FLOP ratio (2P + A) / (P + A), the floor of a perfect implementation (paper A.4).
 ``generate`` reproduces the paper's inference table (section 3.4): prefill a long prompt, generate N tokens;
 a streamer timestamps every new token, so prefill time and decode rate come from the same call.
-Peak memory is the allocator's peak on CUDA; on CPU it is parameters + gradients + optimizer state + the
-tensors autograd saves for backward (counted by storage), the part that differs between methods.
+Peak memory is each model's parameters + gradients + Adam moments, plus what a step adds: on CUDA the
+allocator's peak above the memory allocated before the step, on CPU the tensors autograd saves for backward
+(counted by storage), the part that differs between methods.
 """
 
 from __future__ import annotations
@@ -124,11 +125,17 @@ class _SavedBytes:
 
 
 def _step(model, opt, batch, device) -> tuple[float, int]:
-    """One optimizer step; returns (seconds, peak bytes)."""
+    """One optimizer step; returns (seconds, peak bytes of this model's training).
+
+    Peak bytes = weights + gradients + Adam moments of this model, plus what the step adds on top: on CUDA the
+    allocator's peak above what was allocated before the step (so other models kept on the device for the
+    side-by-side comparison do not count), on CPU the storages autograd saves for backward.
+    """
     saved = _SavedBytes()
+    _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _sync(device)
+        before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         loss = model(*batch).loss
@@ -138,11 +145,10 @@ def _step(model, opt, batch, device) -> tuple[float, int]:
     opt.zero_grad(set_to_none=False)
     _sync(device)
     seconds = time.perf_counter() - start
-    if device.type == "cuda":
-        return seconds, torch.cuda.max_memory_allocated()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in model.trainable_parameters().values())
-    return seconds, params + 3 * trainable + saved.total  # weights + grads + Adam moments + activations
+    step = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else saved.total
+    return seconds, params + 3 * trainable + step
 
 
 def bench_train(args) -> dict:
@@ -154,25 +160,28 @@ def bench_train(args) -> dict:
     if any(p < 2 or a < 1 for p, a in lengths):
         raise ValueError(f"--lengths {args.lengths!r}: prompts need >= 2 tokens and answers >= 1")
     paths = ("fused", "batched", "sequential")
-    methods = {"lora": dict(variant="lora"), **{f"bitune_{p}": dict(variant="bitune", prompt_passes=p) for p in paths}}
-    models = {name: _build(args.model, device=device, dtype=dtype, **kw)[0] for name, kw in methods.items()}
-    default = "bitune_fused" if models["bitune_fused"].fuses else "bitune_sequential"  # what "auto" trains with
-    opts = {name: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for name, m in models.items()}
-    vocab = models["lora"].text_config.vocab_size
+    lora = _build(args.model, "lora", device, dtype)[0]
+    bitune = _build(args.model, "bitune", device, dtype)[0]  # one model, its passes run each of the three ways
+    default = "bitune_fused" if bitune.fuses else "bitune_sequential"  # what "auto" trains with
+    runs = {"lora": (lora, None), **{f"bitune_{p}": (bitune, p) for p in paths}}
+    opts = {id(m): torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for m in (lora, bitune)}
+    vocab = lora.text_config.vocab_size
     rows = []
     for P, A in lengths:
         batch = _random_batch(vocab, args.batch_size, P, A, device)
-        times = {name: [] for name in models}
-        peak = {name: 0 for name in models}
+        times = {name: [] for name in runs}
+        peak = {name: 0 for name in runs}
         for i in range(args.steps + 1):
-            for name, model in models.items():  # interleaved: drift hits every method alike
-                seconds, mem = _step(model, opts[name], batch, device)
+            for name, (model, passes) in runs.items():  # interleaved: drift hits every method alike
+                if passes:
+                    model.config.prompt_passes = passes
+                seconds, mem = _step(model, opts[id(model)], batch, device)
                 if i:
                     times[name].append(seconds)
                 peak[name] = max(peak[name], mem)
         med = {name: statistics.median(t) for name, t in times.items()}
         row = {"prompt": P, "answer": A, "flop_ratio": (2 * P + A) / (P + A),
-               **{f"{n}_s": med[n] for n in models}, **{f"{n}_peak_mb": peak[n] / 2**20 for n in models}}
+               **{f"{n}_s": med[n] for n in runs}, **{f"{n}_peak_mb": peak[n] / 2**20 for n in runs}}
         for p in paths:
             row[f"time_ratio_{p}"] = med[f"bitune_{p}"] / med["lora"]
             row[f"memory_ratio_{p}"] = peak[f"bitune_{p}"] / peak["lora"]
@@ -200,7 +209,8 @@ def _print_train(rows, args, device, dtype, default) -> None:
             table.add_row("", "", p + (" *" if p == default else ""), f"{r[f'bitune_{p}_s']:.3f}", f"{ratio:.2f}",
                           f"{r['flop_ratio']:.2f}", f"{ratio / r['flop_ratio']:.2f}", f"{r[f'memory_ratio_{p}']:.2f}")
     Console().print(table)
-    Console().print("* what prompt_passes='auto' trains with. Targets: time / FLOP ratio <= 1.05; memory <= 1.6 at P = A.")
+    Console().print("* what prompt_passes='auto' trains with. "
+                    "Targets: time / FLOP ratio <= 1.05; memory <= 1.6 at P = A.")
 
 
 @torch.no_grad()
