@@ -45,3 +45,5 @@ def test_bench_rejects_impossible_counts(capsys):
     assert "--new-tokens >= 2" in capsys.readouterr().err
     assert main(["bench", "train", "--steps", "0"]) == 2
     assert "--steps >= 1" in capsys.readouterr().err
+    assert main(["bench", "train", "--threads", "-1"]) == 2
+    assert "--threads -1" in capsys.readouterr().err

@@ -47,7 +47,9 @@ def run(args) -> int:
         raise ValueError("bench generate needs --prompt-tokens >= 2, --new-tokens >= 2 and --repeats >= 1")
     if args.bench == "train" and (args.steps < 1 or args.batch_size < 1):
         raise ValueError("bench train needs --steps >= 1 and --batch-size >= 1")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads}: needs a positive number of threads")
         torch.set_num_threads(args.threads)
     result = bench_train(args) if args.bench == "train" else bench_generate(args)
     if args.output:

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs; the fastest counts")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads {args.threads}: needs a positive number of threads")
     if args.threads:
         import torch
 
