@@ -124,3 +124,20 @@ def test_cli_rejects_unknown_dataset_and_split_before_running(tmp_path, capsys):
         assert rc == 2
         assert needle in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_checks_a_local_data_file_row_by_row_before_running(tmp_path, capsys):
+    from bitune.cli import main
+
+    (tmp_path / "bad.jsonl").write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "good.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    for name, needle in (("bad.jsonl", "row 2 field 'output' is missing"), ("empty.jsonl", "is empty"),
+                         ("missing.jsonl", "does not exist")):
+        rc = main(["train", "--config", "configs/quickstart.yaml", "--set", f"dataset={tmp_path / name}",
+                   "--set", f"output_dir={tmp_path}/run", "--dry-run"])
+        assert rc == 2
+        assert needle in capsys.readouterr().err
+    assert main(["train", "--config", "configs/quickstart.yaml", "--set", f"dataset={tmp_path / 'good.jsonl'}",
+                 "--dry-run"]) == 0
+    assert not (tmp_path / "run").exists()

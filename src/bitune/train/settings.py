@@ -120,11 +120,14 @@ class TrainSettings:
 
 
     def check_dataset(self) -> None:
-        """Reject an unknown dataset name or split before anything runs (the loader would, but later)."""
-        from ..data.datasets import DATASETS
+        """Reject an unknown dataset name or split, or a malformed local file, before anything runs."""
+        from ..data.datasets import DATASETS, load_examples
         if self.dataset not in DATASETS and not self.dataset.endswith((".json", ".jsonl")):
             raise BituneError(f"dataset={self.dataset!r} is not one of {', '.join(DATASETS)} "
                               "nor a .json/.jsonl file")
+        if self.dataset not in DATASETS:  # a local file: every row parsed and checked now (errors name row, field)
+            for split in {self.train_split, self.eval_split} - {None}:
+                load_examples(self.dataset, split)
         info = DATASETS.get(self.dataset)
         for field_name in ("train_split", "eval_split"):
             split = getattr(self, field_name)
