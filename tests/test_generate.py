@@ -97,8 +97,13 @@ def test_user_errors_exit_2_with_one_line(saved, tmp_path, capsys):
     cases = [["--prompt", "x", "--temperature", "0.5"],  # sampling option without --do-sample
              ["--input", str(tmp_path / "missing.jsonl")],
              ["--prompt", "x", "--template", "chat"],  # the tiny tokenizer has no chat template
-             ["--prompt", "x", "--stop=--"]]  # argparse reads '--' as the end of options: no stop text
+             ["--prompt", "x", "--stop=--"],  # argparse reads '--' as the end of options: no stop text
+             ["--prompt", "  "]]
+    for bad in ('{"prompt": ""}', '{"prompt": 5}', '{"instruction": "   "}', '{"text": "x"}', "not json"):
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n' + bad + "\n")
+        cases.append(["--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out.jsonl")])
     for extra in cases:
         assert main(["generate", "--checkpoint", str(ckpt), "--device", "cpu", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("bitune generate: error:"), err
+    assert not (tmp_path / "out.jsonl").exists()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .files import write_text_atomic
+
 HELP = "benchmark training and generation speed/memory against LoRA"
 
 
@@ -53,7 +55,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     result = bench_train(args) if args.bench == "train" else bench_generate(args)
     if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+        write_text_atomic(Path(args.output), json.dumps(result, indent=2))
     return 0
 
 

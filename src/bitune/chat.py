@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from .errors import BituneError
+from .files import write_text_atomic
 from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
     pad_left, paper_prompt, sampling_options
 
@@ -103,10 +104,8 @@ class Conversation:
 
     def save(self, path: str | Path) -> None:
         """Write the conversation as JSON: ``{"mode", "template", "messages": history}``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"mode": self.mode, "template": self.template, "messages": self.history},
-                                   indent=2, ensure_ascii=False) + "\n")
+        record = {"mode": self.mode, "template": self.template, "messages": self.history}
+        write_text_atomic(Path(path), json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
     # ------------------------------------------------------------------------------------------- rendering
     def render(self, messages: list[dict[str, str]]) -> str:

@@ -20,7 +20,8 @@ def replace_dir(src: Path, dst: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
+    """Write ``text`` to a temporary file next to ``path`` (creating its folder) and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -17,6 +17,7 @@ import torch
 from transformers import TextStreamer
 
 from .errors import BituneError
+from .files import write_text_atomic
 
 HELP = "generate answers from a checkpoint"
 TEMPLATES = ("paper", "chat", "none")
@@ -244,8 +245,10 @@ def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
         text = record.get("prompt")
         if text is None:
             text = f"{record['instruction']}\n{record['input']}" if record.get("input") else record["instruction"]
+        if not isinstance(text, str) or not text.strip():
+            raise BituneError(f"{path}:{n}: the prompt must be a non-empty string")
         records.append(record)
-        prompts.append(str(text))
+        prompts.append(text)
     if not records:
         raise BituneError(f"--input {path} holds no prompts")
     return records, prompts
@@ -256,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError("--max-new-tokens and --batch-size must be >= 1")
     if args.output and not args.input:
         raise BituneError("--output needs --input (a single --prompt is printed)")
+    if args.prompt is not None and not args.prompt.strip():
+        raise BituneError("--prompt is empty")
+    records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
     if args.seed is not None:
@@ -265,12 +271,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         generate_texts(model, tokenizer, [args.prompt], stream=True, **common)
         return 0
-    records, prompts = read_prompts(Path(args.input))
     answers = generate_texts(model, tokenizer, prompts, batch_size=args.batch_size, **common)
     lines = "".join(json.dumps({**r, "output": a}) + "\n" for r, a in zip(records, answers))
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(lines)
+        write_text_atomic(Path(args.output), lines)
         print(f"bitune generate: {len(answers)} answers written to {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(lines)

@@ -18,6 +18,7 @@ import torch
 
 from .config import BituneConfig
 from .errors import BituneError
+from .files import write_text_atomic
 
 HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them"
 MODEL = "smollm2-135m"
@@ -94,7 +95,7 @@ def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examp
               "eval_examples": len(held_out), "threads": torch.get_num_threads(), "results": rows,
               "total_s": round(time.time() - t0, 1)}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quickstart.json").write_text(json.dumps(result, indent=2))
+    write_text_atomic(out / "quickstart.json", json.dumps(result, indent=2))
     return result
 
 

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import BituneError
+from ..files import write_text_atomic
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
 RESULT_FILE = "eval.json"
@@ -179,8 +180,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     }
     _print(record)
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(record, indent=2) + "\n")
+        write_text_atomic(output, json.dumps(record, indent=2) + "\n")
         print(f"bitune eval: wrote {output}")
     return record
 

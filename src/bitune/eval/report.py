@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BituneError
+from ..files import write_text_atomic
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
@@ -175,8 +176,8 @@ def print_report(report: Report, title: str) -> None:
 def write_report(report: Report, output: Path) -> tuple[Path, Path]:
     output.mkdir(parents=True, exist_ok=True)
     md, cs = output / "report.md", output / "report.csv"
-    md.write_text(report.markdown())
-    cs.write_text(report.csv())
+    write_text_atomic(md, report.markdown())
+    write_text_atomic(cs, report.csv())
     return md, cs
 
 
