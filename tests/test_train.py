@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 from conftest import EOS, VOCAB, tiny_model
-from transformers import TrainerCallback
+from dist_helpers import Interrupt
 
 from bitune import BituneModel
 from bitune.data.collate import Collator
@@ -93,17 +93,6 @@ def test_optimizer_covers_exactly_the_trainable_parameters(tmp_path):
     assert in_optimizer == {id(p) for p in trainer.model.trainable_parameters().values()}
     assert {g["weight_decay"] for g in trainer.optimizer.param_groups} == {0.0}
     assert trainer.optimizer.defaults["betas"] == (0.9, 0.999)
-
-
-class Interrupt(TrainerCallback):
-    """Simulates a crash right after optimizer step ``at``."""
-
-    def __init__(self, at: int):
-        self.at = at
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            raise KeyboardInterrupt
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):

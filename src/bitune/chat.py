@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from .cli import HelpFormatter
 from .errors import BituneError
 from .files import write_text_atomic
 from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
@@ -156,8 +157,7 @@ class Conversation:
 
 # --------------------------------------------------------------------------------------------------- CLI
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = type("_F", (argparse.RawDescriptionHelpFormatter,
-                                         argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.formatter_class = HelpFormatter
     parser.description = (
         "Chat with a Bitune checkpoint, one line per user turn, from the terminal or a pipe. Commands: /reset "
         "(forget the conversation), /exit (or end of input). Examples:\n"

@@ -11,6 +11,10 @@ import argparse
 import importlib
 import sys
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps a verb's description (examples) as written and shows each option's default."""
+
+
 VERBS: dict[str, tuple[str, str]] = {
     "quickstart": ("bitune.quickstart", "fine-tune LoRA and Bitune on a small real task offline and compare them"),
     "train": ("bitune.train.cli", "train a Bitune model or a baseline from a YAML config"),

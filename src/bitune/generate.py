@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
+from .cli import HelpFormatter
 from .errors import BituneError
 from .files import write_text_atomic
 
@@ -206,8 +207,7 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = type("_F", (argparse.RawDescriptionHelpFormatter,
-                                         argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.formatter_class = HelpFormatter
     parser.description = (
         "Generate answers with a Bitune checkpoint (prompt read by both passes, answer decoded causally) or a "
         "base model. Examples:\n"

@@ -8,15 +8,12 @@ import os
 import subprocess
 import sys
 
+from ..cli import HelpFormatter
 from ..config import BituneConfig
 from ..errors import BituneError
 from .settings import TrainSettings, field_docs, load_settings
 
 HELP = "train a Bitune model or a baseline from a YAML config"
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
 
 
 def settings_help() -> str:
@@ -36,7 +33,7 @@ def settings_help() -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = _Formatter
+    parser.formatter_class = HelpFormatter
     parser.description = ("Train a Bitune model or a baseline (variant, method and hyperparameters from a YAML "
                           "config plus overrides). Examples:\n  bitune train --config configs/quickstart.yaml\n"
                           "  bitune train --config configs/tasks/piqa.yaml --set seed=43\n"
