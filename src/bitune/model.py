@@ -190,8 +190,7 @@ class BituneModel(nn.Module):
         names = [w for w, _ in passes for _ in range(B)]
         if len(passes) == 1 or self.config.prompt_passes == "sequential" or not self.weights.can_route_rows(names):
             return [self._prompt_pass(ids, mask, weights, kind, past) for weights, kind in passes]
-        weights = names if len({w for w, _ in passes}) > 1 else passes[0][0]
-        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), weights, [k for _, k in passes], past)
+        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), names, [k for _, k in passes], past)
         return kv.split_rows(cache, [B, B])  # (2B rows) -> pass A rows, pass B rows
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Prefill | None = None) -> Prefill:
