@@ -97,9 +97,30 @@ def task_metrics(results: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def task_samples(results: dict) -> dict[str, dict[str, list]]:
+    """lm-eval's logged samples -> per benchmark, parallel lists over its questions in doc order: ``doc_id``,
+    ``gold`` (the target), every per-question metric (``acc``, ``acc_norm`` or ``exact_match_*``: 0/1) and, for
+    multiple choice, ``loglik`` (the log-likelihood of each choice). This is what paired comparisons need."""
+    from .tasks import PREFIX
+
+    out = {}
+    for task, samples in (results.get("samples") or {}).items():
+        rows = sorted(samples, key=lambda s: s["doc_id"])
+        names = [m for m in (rows[0].get("metrics") or []) if m in rows[0]] if rows else []
+        table: dict[str, list] = {"doc_id": [s["doc_id"] for s in rows],
+                                  "gold": [s.get("target") for s in rows]}
+        for name in names:
+            table[name] = [float(s[name]) for s in rows]
+        resps = [s.get("filtered_resps") for s in rows]
+        if rows and all(isinstance(r, list) and r and isinstance(r[0], (list, tuple)) for r in resps):
+            table["loglik"] = [[round(float(c[0]), 6) for c in r] for r in resps]
+        out[task.removeprefix(PREFIX)] = table
+    return out
+
+
 def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234,
-             max_new_tokens: int | None = None) -> tuple[dict, dict]:
-    """Run lm-eval on a model instance; returns ``(per-task metrics, timing)``.
+             max_new_tokens: int | None = None) -> tuple[dict, dict, dict]:
+    """Run lm-eval on a model instance; returns ``(per-task metrics, timing, per-question samples)``.
 
     Args:
         lm: an lm-eval ``LM`` (e.g. :class:`bitune.eval.lm.BituneLM`).
@@ -117,10 +138,11 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
     loaded = time.perf_counter()
     results = lm_eval.simple_evaluate(model=lm, tasks=task_objs, limit=limit, random_seed=seed,
                                       numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                      bootstrap_iters=1000, log_samples=False,
+                                      bootstrap_iters=1000, log_samples=True,
                                       gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None)
     done = time.perf_counter()
-    return task_metrics(results), {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
+    timing = {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
+    return task_metrics(results), timing, task_samples(results)
 
 
 def output_path(args: argparse.Namespace) -> Path | None:
@@ -162,7 +184,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device)
     lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    metrics, timing = evaluate(lm, tasks, limit, seed, max_new_tokens)
+    metrics, timing, samples = evaluate(lm, tasks, limit, seed, max_new_tokens)
     config = model.config
     record = {
         "schema": SCHEMA,
@@ -177,6 +199,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "samples": samples,
     }
     _print(record)
     if output is not None:

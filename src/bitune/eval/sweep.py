@@ -1,16 +1,21 @@
 """``bitune sweep``: train and evaluate every method x seed from one config, then report (the paper's Table 1).
 
 A method is a variant name from ``bitune.config.VARIANTS`` with an optional LoRA rank suffix: ``lora`` (r=8),
-``lora16`` (r=16), ``bitune``, ``bitune16``, ``shared_weights``, ... ``pretrained`` is evaluated once (it has no
-seed: nothing is trained). Each run lives in ``OUTPUT_DIR/<method>-<seed>/`` (the trainer's ``final/`` plus
-``eval.json``); runs whose ``eval.json`` exists are skipped and a finished ``final/`` is not retrained, so an
-interrupted sweep resumes by running the same command again. The report goes to ``OUTPUT_DIR/report.{md,csv}``.
+``lora16`` (r=16), ``bitune``, ``bitune16``, ``shared_weights``, ... or a YAML file of settings laid over the
+config (its file name is the label), e.g. ``configs/methods/bitune_clip_adapters.yaml``. ``pretrained`` is
+evaluated once (it has no seed: nothing is trained). Runs go seed by seed (every method with seed 42, then 43,
+...), so an interrupted sweep already holds complete pairs. Each run lives in ``OUTPUT_DIR/<method>-<seed>/``
+(the trainer's ``final/``, ``log.jsonl``, ``settings.yaml`` plus ``eval.json``); runs whose ``eval.json``
+exists are skipped and a finished ``final/`` is not retrained, so an interrupted sweep resumes by running the same
+command again, also from a copy of the small files alone (``eval.json`` is what marks a run done). The report
+goes to ``OUTPUT_DIR/report.{md,csv}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +35,16 @@ class Method:
     """``BituneConfig.variant``."""
     rank: int | None
     """LoRA rank override (None: the config's)."""
+    overlay: Path | None = None
+    """A YAML file of settings laid over the config (instead of ``variant``/``rank``)."""
+
+    def configs(self, base: str | None) -> list[str]:
+        """The config files of this method's runs: the sweep's config, then the overlay if any."""
+        return [c for c in (base, str(self.overlay) if self.overlay else None) if c]
 
     def overrides(self) -> list[str]:
+        if self.overlay is not None:
+            return []
         sets = [f"bitune.variant={self.variant}"]
         return sets + ([f"bitune.rank={self.rank}"] if self.rank is not None else [])
 
@@ -42,6 +55,9 @@ def parse_methods(text: str) -> list[Method]:
 
     methods = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
+        if name.endswith((".yaml", ".yml")):
+            methods.append(_overlay_method(Path(name)))
+            continue
         m = _METHOD.match(name)
         if not m or m.group(1) not in VARIANTS or (m.group(1) == "pretrained" and m.group(2)):
             raise BituneError(f"unknown method {name!r}: use a variant ({', '.join(VARIANTS)}) with an optional "
@@ -50,6 +66,18 @@ def parse_methods(text: str) -> list[Method]:
     if not methods:
         raise BituneError("--methods is empty")
     return methods
+
+
+def _overlay_method(path: Path) -> Method:
+    from ..config import BituneConfig
+    from ..train.settings import read_yaml
+
+    data = read_yaml(path)
+    section = data.get("bitune") if isinstance(data.get("bitune"), dict) else {}
+    variant = section.get("variant", BituneConfig.variant)
+    if variant == "pretrained":
+        raise BituneError(f"method file {path}: variant 'pretrained' trains nothing; use the method 'pretrained'")
+    return Method(path.stem, str(variant), None, path)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -71,7 +99,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="training setting override for every run (repeatable), e.g. --set steps=100")
     parser.add_argument("--methods", default="pretrained,lora,lora16,bitune",
-                        help="comma-separated variants with optional rank suffix")
+                        help="comma-separated variants with optional rank suffix, or YAML files of settings laid "
+                             "over the config (labelled by file name)")
     parser.add_argument("--seeds", default="42,43,44", help="comma-separated training seeds")
     parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu", help="evaluation tasks")
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions per task")
@@ -93,26 +122,31 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output_dir)
     base_model = load_settings(args.config, args.overrides).model  # validates the config up front
     results: list[Path] = []
-    for method in methods:
-        for seed in ([None] if method.variant == "pretrained" else seeds):
-            run_dir = out / (method.label if seed is None else f"{method.label}-{seed}")
-            result = run_dir / RESULT_FILE
-            results.append(result)
-            if result.is_file():
-                print(f"bitune sweep: {run_dir} already evaluated, skipped")
-                continue
-            if seed is None:
-                evaluate_run(model_name=base_model, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
-                             device=args.device, label=method.label, output=result)
-                continue
-            final = run_dir / "final"
-            if not (final / "bitune_config.json").is_file():
-                settings = load_settings(args.config, [*args.overrides, *method.overrides(), f"seed={seed}",
-                                                       f"output_dir={run_dir}"])
-                print(f"bitune sweep: training {method.label} seed {seed} -> {run_dir}")
-                train_run(settings)
-            evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
+    plan = [(m, None) for m in methods if m.variant == "pretrained"]
+    plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]
+    for method, seed in plan:
+        run_dir = out / (method.label if seed is None else f"{method.label}-{seed}")
+        result = run_dir / RESULT_FILE
+        results.append(result)
+        if result.is_file():
+            print(f"bitune sweep: {run_dir} already evaluated, skipped")
+            continue
+        if seed is None:
+            evaluate_run(model_name=base_model, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                          device=args.device, label=method.label, output=result)
+            continue
+        final = run_dir / "final"
+        if not (final / "bitune_config.json").is_file():
+            settings = load_settings(method.configs(args.config),
+                                     [*args.overrides, *method.overrides(), f"seed={seed}", f"output_dir={run_dir}"])
+            resume = any(run_dir.glob("checkpoint-*"))
+            if not resume and run_dir.exists():  # an interrupted run with nothing to resume: the sweep's own folder
+                print(f"bitune sweep: {run_dir} holds an unfinished run without a checkpoint; starting it again")
+                shutil.rmtree(run_dir)
+            print(f"bitune sweep: training {method.label} seed {seed} -> {run_dir}")
+            train_run(settings, resume=resume)
+        evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
+                     device=args.device, label=method.label, output=result)
     report = aggregate(load_records(results), args.metric)
     print_report(report, f"{args.metric}, mean ± std over seeds {seeds}, %")
     md, cs = write_report(report, out)

@@ -24,6 +24,7 @@ from ..errors import BituneError
 
 EXTENDS_KEY = "extends"
 BF16_CHOICES = ("auto", "true", "false")
+CLIP_CHOICES = ("all", "adapters")
 
 
 @dataclass
@@ -63,6 +64,12 @@ class TrainSettings:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Clip the gradient to this global norm (0: no clipping)."""
+    clip: str = "all"
+    """What max_grad_norm clips: 'all' trainable parameters as one vector (the authors' setting) or only the
+    'adapters' (the mixer's thetas, whose gradient is far larger, are then left unclipped)."""
+    group_by_length: bool | None = None
+    """Draw batches of similar prompt and answer lengths (less padding; seed-determined, resumable);
+    none: on when batch_size > 1."""
     seed: int = 42
     """Seed of weights init, data order and dropout."""
     bf16: str = "auto"
@@ -89,6 +96,8 @@ class TrainSettings:
         for f in dataclasses.fields(self):
             if f.name != "bitune":
                 setattr(self, f.name, _coerce(f"{f.name}", getattr(self, f.name), _hints()[f.name]))
+        if self.clip not in CLIP_CHOICES:
+            raise BituneError(f"clip={self.clip!r} is not one of {list(CLIP_CHOICES)}")
         self.bf16 = str(self.bf16).lower()
         if self.bf16 not in BF16_CHOICES:
             raise BituneError(f"bf16={self.bf16!r} is not one of {list(BF16_CHOICES)}")

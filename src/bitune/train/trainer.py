@@ -48,13 +48,81 @@ class BituneTrainer(Trainer):
 
     _staging: Path | None = None
     _keep: int | None = None
+    group_by_length: bool = False
+    """Draw training batches with :class:`bitune.data.sampling.LengthGroupedSampler` (set by build_trainer)."""
+    clip: str = "all"
+    """What ``max_grad_norm`` clips: ``"all"`` trainable parameters together, or only the ``"adapters"``."""
+    _group_norms: dict[str, float] | None = None
+    _positions = (0, 0)  # (real, computed) positions of the training batches since the last log
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Example-mean loss of the batch: the mean over its B examples of each example's mean answer-token
         cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring."""
         out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
         loss = out.example_loss.mean()  # (B,) -> scalar
+        if model.training:
+            self._count_positions(inputs)
         return (loss, out) if return_outputs else loss
+
+    def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
+        w = max(1, len(self.model.config.passes))
+        pm, am = inputs["prompt_mask"], inputs["answer_mask"]  # (B, P), (B, A)
+        real = w * int(pm.sum()) + int(am.sum())
+        computed = w * pm.numel() + am.numel()
+        self._positions = (self._positions[0] + real, self._positions[1] + computed)
+
+    def _get_train_sampler(self, train_dataset=None):
+        """Length-grouped, seed-determined order when ``group_by_length``; otherwise Trainer's own sampler."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if not self.group_by_length or dataset is None:
+            return super()._get_train_sampler(train_dataset)
+        from ..data.sampling import LengthGroupedSampler
+
+        lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in dataset]
+        return LengthGroupedSampler(lengths, self.args.per_device_train_batch_size, seed=self.args.data_seed)
+
+    # ----------------------------------------------------------------------------------- gradient norm / clipping
+    def _grad_groups(self) -> dict[str, list[torch.Tensor]]:
+        params = self.model.trainable_parameters()
+        return {"adapters": [p for k, p in params.items() if not k.startswith("mixer:")],
+                "mixer": [p for k, p in params.items() if k.startswith("mixer:")]}
+
+    def _measure_groups(self) -> dict[str, list[torch.Tensor]]:
+        groups = self._grad_groups()
+        self._group_norms = {name: _norm(ps) for name, ps in groups.items() if ps}
+        return groups
+
+    def _clip_grad_norm(self, model):
+        """Clip as ``clip`` says; record the adapters' and the mixer's gradient norms before clipping.
+
+        Returns the pre-clip norm of all trainable parameters (what Trainer logs as ``grad_norm``).
+        """
+        if self.is_fsdp_enabled:  # sharded gradients: only Trainer's own joint clipping is correct
+            return super()._clip_grad_norm(model)
+        groups = self._measure_groups()
+        if self.clip == "adapters":
+            total = _norm(groups["adapters"] + groups["mixer"])
+            torch.nn.utils.clip_grad_norm_(groups["adapters"], self.args.max_grad_norm)
+            return total
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and not self.is_fsdp_enabled:
+            self._measure_groups()
+        return super()._get_grad_norm(model, grad_norm)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log, plus on training records: the last step's gradient norm per group (before clipping)
+        and the padding share of the batches since the previous log."""
+        if "loss" in logs and "eval_loss" not in logs:
+            for name, value in (self._group_norms or {}).items():
+                logs[f"grad_norm_{name}"] = value
+            real, computed = self._positions
+            if computed:
+                logs["padding_share"] = round(1.0 - real / computed, 4)
+            self._positions = (0, 0)
+        super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Validation: the loss only."""
@@ -248,6 +316,12 @@ def training_arguments(settings: TrainSettings, bf16: bool, use_cpu: bool) -> Tr
     )
 
 
+def _norm(params: list[torch.Tensor]) -> float:
+    """Global L2 norm of the gradients of ``params`` (0 when none has a gradient)."""
+    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
 def world_size() -> int:
     """Processes of this job, as the launcher (``torchrun``, ``accelerate launch``) set them; 1 when not launched."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -276,6 +350,11 @@ def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(LossProgress())
     trainer._keep = settings.save_total_limit
+    trainer.group_by_length = settings.group_by_length if settings.group_by_length is not None \
+        else settings.batch_size > 1
+    trainer.clip = settings.clip
+    if trainer.clip != "all" and trainer.is_fsdp_enabled:
+        raise BituneError(f"clip={settings.clip!r} is not supported under FSDP (sharded gradients); use clip=all")
     return trainer
 
 
@@ -349,7 +428,7 @@ def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: 
         now = settings.to_dict()
         changed = sorted(k for k in now if k not in ("output_dir", "steps", "epochs", "save_every",
                                                      "save_total_limit", "log_every", "eval_every", "num_workers")
-                         and (saved or {}).get(k) != now[k])
+                         and k in (saved or {}) and saved[k] != now[k])  # a key an older version did not write: its default
         if changed:
             raise BituneError(f"--resume: settings {changed} differ from the saved run in {saved_path}; "
                               "resume with the same settings or choose another output_dir")
