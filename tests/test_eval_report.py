@@ -62,3 +62,92 @@ def test_report_cli_writes_markdown_and_csv(tmp_path):
 def test_report_cli_fails_cleanly_without_results(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no eval results" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ paired statistics (per question)
+def paired_record(label, seed, correct, limit=None, task="arc_challenge"):
+    """An eval JSON with per-question results: ``correct`` is the 0/1 acc of each question."""
+    n = len(correct)
+    return {"schema": SCHEMA, "label": label, "config": {"train_seed": seed, "limit": limit},
+            "tasks": {task: {"acc": sum(correct) / n, "acc_norm": sum(correct) / n, "n": n}},
+            "samples": {task: {"doc_id": list(range(n)), "gold": [0] * n, "acc": [float(c) for c in correct],
+                               "acc_norm": [float(c) for c in correct]}}}
+
+
+def write_runs(root, records):
+    for r in records:
+        d = root / f"{r['label']}-{r['config']['train_seed']}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "eval.json").write_text(json.dumps(r))
+
+
+def test_paired_differences_and_mcnemar_per_seed():
+    from bitune.eval.report import collect_runs, difference_rows
+
+    n = 100
+    lora = [[1] * 20 + [0] * 80, [1] * 30 + [0] * 70]  # seeds 42, 43: 20% and 30%
+    bitune = [[1] * 30 + [0] * 70, [0] * 10 + [1] * 30 + [0] * 60]  # seed 42: +10 over lora; seed 43: +0
+    records = [paired_record("lora", 42, lora[0]), paired_record("lora", 43, lora[1]),
+               paired_record("bitune", 42, bitune[0]), paired_record("bitune", 43, bitune[1]),
+               paired_record("pretrained", None, [1] * 25 + [0] * 75)]
+    tasks, skipped = collect_runs(records)
+    assert not skipped and list(tasks["arc_challenge"].methods) == ["pretrained", "lora", "bitune"]
+    rows = {(r[2], r[3]): r for r in difference_rows(tasks, ["lora", "pretrained"])}
+    row = rows[("bitune", "lora")]
+    assert row[1] == str(n) and row[4] == "2"
+    assert row[5].startswith("+5.0 [")  # (30 + 30) / 2 - (20 + 30) / 2 = +5 points, pooled over seeds
+    assert row[6] == "42: +10.0; 43: +0.0"
+    # seed 42: bitune right only on 20..29 (10), lora never alone; seed 43: 10 each way (0..9 vs 30..39)
+    assert row[7] == f"10/0, p={2 / 2 ** 10:.3g}; 10/10, p=1"
+    assert rows[("lora", "pretrained")][6] == "42: -5.0; 43: +5.0"  # every seed against the one untrained run
+    assert ("pretrained", "lora") not in rows and ("lora", "lora") not in rows  # shown once, as lora vs pretrained
+
+
+def test_report_shows_n_limit_and_intervals_and_writes_next_to_the_runs(tmp_path):
+    runs = tmp_path / "study"
+    write_runs(runs, [paired_record("lora", 42, [1, 0] * 10, limit=20),
+                      paired_record("bitune", 42, [1, 1, 0, 1] * 5, limit=20)])
+    assert main(["report", str(runs)]) == 0  # no --output: next to the runs, not the current folder
+    md = (runs / "report.md").read_text()
+    assert (runs / "report.csv").is_file() and (runs / "report.png").stat().st_size > 1000
+    assert "Questions per task (n): ARC-C 20; --limit: 20" in md
+    assert "| ARC-C | 20 | 20 | lora | 1 | 50.0 [" in md
+    assert "| ARC-C | 20 | bitune | lora | 1 | +25.0 [" in md
+    assert "GSM8K" not in md
+
+
+def test_report_is_reproducible_to_the_byte(tmp_path):
+    runs = tmp_path / "r"
+    rng = __import__("numpy").random.default_rng(0)
+    write_runs(runs, [paired_record(m, s, (rng.random(300) < p).astype(int).tolist())
+                      for m, p in (("lora", 0.3), ("bitune", 0.35)) for s in (42, 43, 44)])
+    assert main(["report", str(runs), "--output", str(tmp_path / "a"), "--no-figure"]) == 0
+    assert main(["report", str(runs), "--output", str(tmp_path / "b"), "--no-figure"]) == 0
+    assert (tmp_path / "a" / "report.md").read_bytes() == (tmp_path / "b" / "report.md").read_bytes()
+    assert not (tmp_path / "a" / "report.png").exists()
+
+
+def test_report_refuses_runs_on_different_questions(tmp_path, capsys):
+    runs = tmp_path / "r"
+    write_runs(runs, [paired_record("lora", 42, [1, 0, 1]), paired_record("bitune", 42, [1, 0])])
+    assert main(["report", str(runs)]) == 2
+    assert "different --limit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("broken, message", [
+    ({"schema": SCHEMA, "label": "lora", "tasks": {"piqa": {"acc": 0.5}}}, "field 'config'"),
+    ({"schema": SCHEMA, "label": 3, "tasks": {}, "config": {}}, "field 'label'"),
+    ({"schema": SCHEMA, "label": "x", "tasks": {"piqa": 0.5}, "config": {}}, "tasks.piqa"),
+])
+def test_hand_edited_eval_json_is_one_clear_error(tmp_path, capsys, broken, message):
+    (tmp_path / "eval.json").write_text(json.dumps(broken))
+    assert main(["report", str(tmp_path / "eval.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "eval.json" in err and "Traceback" not in err
+
+
+def test_several_inputs_need_an_output_folder(tmp_path, capsys):
+    for name in ("a", "b"):
+        write_runs(tmp_path / name, [paired_record("lora", 42, [1, 0])])
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "--output" in capsys.readouterr().err

@@ -1,10 +1,20 @@
-"""``bitune report``: aggregate ``bitune eval`` results over seeds into a table shaped like the paper's Table 1.
+"""``bitune report``: aggregate ``bitune eval`` results over seeds: the paper's table plus paired statistics.
 
-Rows are methods (the ``label`` of each eval JSON), columns the tasks and their average. A cell is
-``mean ± std`` in percent over the runs (seeds) of that method. The std is the sample standard deviation
-(ddof=1, the unbiased variance estimate over seeds, as numpy's ``std(ddof=1)``); with one run it is undefined and
-shown as ``-``. The average column averages the tasks within each run first, then takes the mean and std of those
-per-run averages over seeds, so its std reflects seed-to-seed variation of the average itself.
+1. **The paper's table** (Table 1/2 shape): rows are methods (the ``label`` of each eval JSON), columns the tasks
+   and their average. A cell is ``mean ± std`` in percent over the runs (seeds) of that method. The std is the
+   sample standard deviation (ddof=1); with one run it is undefined and shown as ``-``. The average column
+   averages the tasks within each run first, then takes the mean and std of those per-run averages over seeds.
+2. **Accuracy with a 95% interval** per task and method: the per-question correctness averaged over the
+   method's seeds, its mean, and a bootstrap interval over questions (:mod:`bitune.eval.stats`); each seed's
+   accuracy is listed next to it.
+3. **Paired differences** against each baseline (``--baselines``, default LoRA and the pretrained model): per
+   question, the method's correctness averaged over seeds minus the baseline's (over the same seeds when the
+   baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
+   the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
+
+Sections 2 and 3 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
+number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
+accuracy per method with its interval and the seeds as points) is written when matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -17,14 +27,23 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import BituneError
 from ..files import write_text_atomic
+from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
                "mmlu": "MMLU", "gsm8k": "GSM8K"}
 AVERAGE = "avg"
+METHOD_ORDER = ("pretrained", "lora", "lora16", "bitune")
+"""Rows in this order first (the paper's), then any other method by name."""
+
+
+def method_key(label: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(label), "") if label in METHOD_ORDER else (len(METHOD_ORDER), label)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +55,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="multiple-choice metric to tabulate")
     parser.add_argument("--gsm8k-metric", default="exact_match_strict",
                         choices=("exact_match_strict", "exact_match_flexible"), help="GSM8K metric to tabulate")
-    parser.add_argument("--output", metavar="DIR", default=".", help="folder for report.md and report.csv")
+    parser.add_argument("--output", metavar="DIR",
+                        help="folder for report.md, report.csv and report.png (default: the one folder given)")
+    parser.add_argument("--baselines", default="lora,pretrained",
+                        help="comma-separated methods every other method is compared with, question by question")
+    parser.add_argument("--no-figure", action="store_true", help="do not write report.png")
 
 
 @dataclass
@@ -126,7 +149,175 @@ def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exa
             row[t].values.append(v)
         if set(values) == set(tasks):  # the average only over runs that cover every task
             row[AVERAGE].values.append(sum(values.values()) / len(values))
+    cells = {m: cells[m] for m in sorted(cells, key=method_key)}
     return Report(tasks, cells, runs)
+
+
+# ------------------------------------------------------------------------------------------ paired statistics
+@dataclass
+class Runs:
+    """Every run of one method on one task, aligned question by question."""
+
+    seeds: list[int | None]
+    """Training seed of each run (None: untrained)."""
+    correct: np.ndarray
+    """(runs, n) 0/1 correctness of each run on each question."""
+
+    @property
+    def averaged(self) -> np.ndarray:
+        """(n,) correctness averaged over the runs."""
+        return self.correct.mean(axis=0)
+
+    def of_seeds(self, seeds: list[int | None]) -> np.ndarray:
+        return self.correct[[self.seeds.index(s) for s in seeds]]
+
+
+@dataclass
+class TaskRuns:
+    """One task: its questions, the ``--limit`` they were cut to, and each method's runs."""
+
+    doc_ids: list[int]
+    limit: int | None
+    methods: dict[str, Runs]
+
+
+def collect_runs(records: list[dict], metric: str = "acc",
+                 gsm8k_metric: str = "exact_match_strict") -> tuple[dict[str, TaskRuns], list[str]]:
+    """Per task, each method's per-question correctness (from the eval JSONs' ``samples``).
+
+    Returns:
+        ``(tasks, skipped)``: the tasks in report order, and the ``label/task`` of runs without per-question data.
+
+    Raises:
+        BituneError: two runs of a task cover different questions (another ``--limit``), or a run repeats a
+            method's seed.
+    """
+    tasks: dict[str, TaskRuns] = {}
+    skipped: list[str] = []
+    for r in records:
+        samples = r.get("samples") or {}
+        for task in r["tasks"]:
+            table, name = samples.get(task), gsm8k_metric if task == "gsm8k" else metric
+            if not isinstance(table, dict) or name not in table or "doc_id" not in table:
+                skipped.append(f"{r['label']}/{task}")
+                continue
+            order = np.argsort(table["doc_id"], kind="stable")
+            doc_ids = [int(table["doc_id"][i]) for i in order]
+            correct = np.asarray(table[name], dtype=np.float64)[order]  # (n,)
+            limit = r["config"].get("limit")
+            entry = tasks.setdefault(task, TaskRuns(doc_ids, limit, {}))
+            if doc_ids != entry.doc_ids:
+                raise BituneError(f"task {task}: run {r['label']} (seed {r['config'].get('train_seed')}) was "
+                                  f"evaluated on {len(doc_ids)} questions, other runs on {len(entry.doc_ids)} "
+                                  "(different --limit?); paired statistics need the same questions")
+            seed = r["config"].get("train_seed")
+            runs = entry.methods.setdefault(r["label"], Runs([], np.zeros((0, len(doc_ids)))))
+            if seed in runs.seeds:
+                raise BituneError(f"task {task}: method {r['label']} has two runs with seed {seed}")
+            runs.seeds.append(seed)
+            runs.correct = np.vstack([runs.correct, correct[None]])
+    ordered = {t: tasks[t] for t in [*TASK_ORDER, *sorted(set(tasks) - set(TASK_ORDER))] if t in tasks}
+    for tr in ordered.values():
+        tr.methods = {m: tr.methods[m] for m in sorted(tr.methods, key=method_key)}
+    return ordered, skipped
+
+
+def _limit_text(limit: int | None) -> str:
+    return "none (full split)" if limit is None else str(limit)
+
+
+def _seed_text(seed: int | None) -> str:
+    return "-" if seed is None else str(seed)
+
+
+def accuracy_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
+    """Rows: task, n, limit, method, runs, accuracy with 95% interval (%), each seed's accuracy (%)."""
+    rows = []
+    for task, tr in tasks.items():
+        for label, runs in tr.methods.items():
+            ci = bootstrap_mean(runs.averaged)
+            per_seed = ", ".join(f"{_seed_text(s)}: {100 * c.mean():.1f}" for s, c in zip(runs.seeds, runs.correct))
+            rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), _limit_text(tr.limit), label,
+                         str(len(runs.seeds)), ci.text(), per_seed])
+    return rows
+
+
+def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str]) -> list[list[str]]:
+    """Rows: task, n, method, baseline, mean paired difference with 95% interval (points), seeds pooled,
+    per seed: the difference, the discordant counts (only method right / only baseline right) and McNemar p."""
+    rows = []
+    for task, tr in tasks.items():
+        for base in baselines:
+            if base not in tr.methods:
+                continue
+            ref = tr.methods[base]
+            for label, runs in tr.methods.items():
+                if label == base:
+                    continue
+                if ref.seeds == [None]:  # an untrained baseline: every seed against its one run
+                    pairs = [(s, runs.of_seeds([s])[0], ref.correct[0]) for s in runs.seeds]
+                    diff = runs.averaged - ref.correct[0]
+                else:
+                    common = [s for s in runs.seeds if s in ref.seeds]
+                    if not common:
+                        continue
+                    pairs = [(s, runs.of_seeds([s])[0], ref.of_seeds([s])[0]) for s in common]
+                    diff = runs.of_seeds(common).mean(axis=0) - ref.of_seeds(common).mean(axis=0)
+                ci = bootstrap_mean(diff)
+                per_seed, tests = [], []
+                for seed, a, b in pairs:
+                    only_a, only_b, p = mcnemar_exact(a, b)
+                    per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
+                    tests.append(f"{only_a}/{only_b}, p={p:.3g}")
+                rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), label, base, str(len(pairs)),
+                             f"{100 * ci.value:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]",
+                             "; ".join(per_seed), "; ".join(tests)])
+    return rows
+
+
+ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)"]
+DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "Δ per seed",
+                     "only method / only baseline right, McNemar p (per seed)"]
+
+
+def markdown_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * left + ["---:"] * (len(header) - left)) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def plot_accuracy(tasks: dict[str, TaskRuns], metric: str, path: Path) -> Path | None:
+    """Per task, each method's seed-averaged accuracy with its 95% interval and each seed as a point (PNG)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bitune report: matplotlib is not installed (pip install 'bitune[plot]'); no figure written")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    for ax, (task, tr) in zip(axes[0], tasks.items()):
+        for x, (label, runs) in enumerate(tr.methods.items()):
+            ci = bootstrap_mean(runs.averaged)
+            ax.errorbar([x], [100 * ci.value], yerr=[[100 * (ci.value - ci.low)], [100 * (ci.high - ci.value)]],
+                        fmt="o", color="black", capsize=5, markersize=7, zorder=3)
+            seeds = 100 * runs.correct.mean(axis=1)  # (runs,)
+            offsets = np.linspace(-0.12, 0.12, len(seeds)) if len(seeds) > 1 else np.zeros(1)
+            ax.scatter(x + 0.25 + offsets, seeds, s=18, color="tab:blue", alpha=0.8, zorder=2,
+                       label="seeds" if x == 0 else None)
+        ax.set_xticks(range(len(tr.methods)), list(tr.methods), rotation=20, ha="right")
+        ax.set_title(f"{TASK_TITLES.get(task, task)} (n = {len(tr.doc_ids)})")
+        ax.set_ylabel(f"{metric} (%)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.suptitle(f"{metric}: mean over seeds, 95% CI over questions; dots: seeds", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 def find_results(paths: list[str]) -> list[Path]:
@@ -147,18 +338,63 @@ def find_results(paths: list[str]) -> list[Path]:
 
 
 def load_records(files: list[Path]) -> list[dict]:
+    """Read and check eval JSONs (``schema``, ``label``, ``tasks`` and ``config`` present and well-formed)."""
     from .cli import SCHEMA
 
     records = []
     for f in files:
         try:
-            record = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
+            record = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BituneError(f"{f}: not valid JSON ({e})") from e
         if not isinstance(record, dict) or record.get("schema") != SCHEMA:
             raise BituneError(f"{f}: not a 'bitune eval' result (schema {SCHEMA})")
+        for key, kind in (("label", str), ("tasks", dict), ("config", dict)):
+            if not isinstance(record.get(key), kind):
+                raise BituneError(f"{f}: field {key!r} is missing or not a {kind.__name__} (a 'bitune eval' "
+                                  "result has label, tasks, config)")
+        for task, metrics in record["tasks"].items():
+            if not isinstance(metrics, dict):
+                raise BituneError(f"{f}: tasks.{task} is not a mapping of metrics")
+        if record.get("samples") is not None and not isinstance(record["samples"], dict):
+            raise BituneError(f"{f}: field 'samples' is not a mapping of tasks")
         records.append(record)
     return records
+
+
+def title_of(tasks: list[str], metric: str, gsm8k_metric: str) -> str:
+    names = ", ".join(TASK_TITLES.get(t, t) for t in tasks)
+    gsm = f"; GSM8K: {gsm8k_metric}" if "gsm8k" in tasks else ""
+    return f"{names}: {metric}{gsm}"
+
+
+def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict",
+                   baselines: tuple[str, ...] = ("lora", "pretrained")) -> tuple[Report, str, dict[str, TaskRuns]]:
+    """The whole report: the paper's table, accuracy intervals and paired differences, as Markdown."""
+    report = aggregate(records, metric, gsm8k_metric)
+    tasks, skipped = collect_runs(records, metric, gsm8k_metric)
+    n_text = ", ".join(f"{TASK_TITLES.get(t, t)} {len(tr.doc_ids)}" for t, tr in tasks.items())
+    limits = sorted({_limit_text(r["config"].get("limit")) for r in records})
+    parts = [f"# Report: {title_of(report.tasks, metric, gsm8k_metric)}\n",
+             f"{len(records)} runs. Questions per task (n): {n_text or 'no per-question data'}; "
+             f"--limit: {', '.join(limits)}.\n",
+             f"## {metric} (%), mean ± sample std over seeds\n", report.markdown()]
+    if tasks:
+        parts += [f"\n## {metric} (%) with a 95% bootstrap interval over questions\n",
+                  "Seed-averaged per-question correctness, resampled over questions "
+                  f"({BOOTSTRAP} resamples, fixed seed); each seed's accuracy after it.\n",
+                  markdown_table(ACCURACY_HEADER, accuracy_rows(tasks), left=5)]
+        rows = difference_rows(tasks, list(baselines))
+        if rows:
+            parts += ["\n## Paired differences (percentage points)\n",
+                      "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
+                      "same seeds; an untrained baseline has one run), mean with a 95% bootstrap interval over "
+                      "questions. Per seed: the difference, the questions only the method / only the baseline "
+                      "gets right, and the exact McNemar p-value.\n",
+                      markdown_table(DIFFERENCE_HEADER, rows, left=5)]
+    if skipped:
+        parts.append(f"\nNo per-question data (re-run 'bitune eval' to include them): {', '.join(skipped)}.\n")
+    return report, "\n".join(parts), tasks
 
 
 def print_report(report: Report, title: str) -> None:
@@ -173,21 +409,38 @@ def print_report(report: Report, title: str) -> None:
     Console().print(table)
 
 
-def write_report(report: Report, output: Path) -> tuple[Path, Path]:
+def write_report(report: Report, output: Path, markdown: str | None = None) -> tuple[Path, Path]:
     output.mkdir(parents=True, exist_ok=True)
     md, cs = output / "report.md", output / "report.csv"
-    write_text_atomic(md, report.markdown())
+    write_text_atomic(md, markdown if markdown is not None else report.markdown())
     write_text_atomic(cs, report.csv())
     return md, cs
 
 
+def default_output(paths: list[str]) -> Path:
+    """Next to the runs: the one folder given, or the folder of the one file; several inputs need ``--output``."""
+    if len(paths) == 1:
+        p = Path(paths[0])
+        return p if p.is_dir() else p.parent
+    raise BituneError("several inputs: name the folder for report.md/report.csv/report.png with --output")
+
+
 def run(args: argparse.Namespace) -> int:
+    output = Path(args.output) if args.output else default_output(args.runs)
     records = load_records(find_results(args.runs))
     limits = {r["config"].get("limit") for r in records}
     if len(limits) > 1:
         print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
-    report = aggregate(records, args.metric, args.gsm8k_metric)
-    print_report(report, f"{args.metric} (GSM8K: {args.gsm8k_metric}), mean ± std over seeds, %")
-    md, cs = write_report(report, Path(args.output))
+    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines)
+    print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
+    paired = markdown.find("\n## ", markdown.find("## ") + 3)
+    if paired >= 0:
+        print(markdown[paired + 1:])
+    md, cs = write_report(report, output, markdown)
     print(f"bitune report: wrote {md} and {cs}")
+    if tasks and not args.no_figure:
+        figure = plot_accuracy(tasks, args.metric, output / "report.png")
+        if figure is not None:
+            print(f"bitune report: wrote {figure}")
     return 0

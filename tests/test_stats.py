@@ -1,0 +1,62 @@
+"""Paired statistics: bootstrap intervals over questions and the exact McNemar test, on known inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bitune.eval.stats import bootstrap_mean, mcnemar_exact
+
+
+def test_mcnemar_exact_on_a_hand_computed_table():
+    # a right / b wrong on 3 questions, a wrong / b right on 1: n = 4, k = 1
+    # p = 2 * P[Binomial(4, 1/2) <= 1] = 2 * (1 + 4) / 16 = 0.625
+    a = np.array([1, 1, 1, 0, 1, 0])
+    b = np.array([0, 0, 0, 1, 1, 0])
+    assert mcnemar_exact(a, b) == (3, 1, pytest.approx(0.625))
+    # 10 vs 0 discordant: p = 2 / 2^10
+    assert mcnemar_exact(np.r_[np.ones(10), np.zeros(5)], np.zeros(15))[2] == pytest.approx(2 / 1024)
+    # symmetric table: p = 1 (capped), and no discordant pair at all: p = 1
+    assert mcnemar_exact([1, 0], [0, 1])[2] == 1.0
+    assert mcnemar_exact([1, 1], [1, 1]) == (0, 0, 1.0)
+
+
+def test_mcnemar_exact_handles_more_than_a_thousand_discordant_pairs():
+    a = np.r_[np.ones(700), np.zeros(600)]
+    b = 1 - a
+    only_a, only_b, p = mcnemar_exact(a, b)
+    assert (only_a, only_b) == (700, 600)
+    # normal approximation with continuity correction for a check: z = (|700 - 600| - 1) / sqrt(1300)
+    z = 99 / math.sqrt(1300)
+    assert p == pytest.approx(math.erfc(z / math.sqrt(2)), rel=0.05)
+
+
+def test_mcnemar_rejects_mismatched_questions():
+    with pytest.raises(ValueError, match="questions"):
+        mcnemar_exact([1, 0], [1, 0, 1])
+
+
+def test_bootstrap_interval_contains_the_known_difference_and_shrinks_with_n():
+    rng = np.random.default_rng(7)
+    # two methods on the same questions; the second is right on 10% more of them (true difference +0.10)
+    n = 2000
+    base = rng.random(n) < 0.4
+    better = base | (rng.random(n) < 0.1 / 0.6)
+    diff = better.astype(float) - base.astype(float)
+    ci = bootstrap_mean(diff)
+    assert ci.low < 0.10 < ci.high
+    assert ci.low > 0  # the difference is detected
+    assert ci.value == pytest.approx(diff.mean())
+    small = bootstrap_mean(diff[:200])
+    assert (small.high - small.low) > 2 * (ci.high - ci.low)  # ~ 1 / sqrt(n)
+
+
+def test_bootstrap_is_reproducible_and_matches_the_binomial_width():
+    values = np.r_[np.ones(300), np.zeros(700)]  # accuracy 0.3 on 1000 questions
+    a, b = bootstrap_mean(values), bootstrap_mean(values)
+    assert a == b
+    half = 1.96 * math.sqrt(0.3 * 0.7 / 1000)  # the normal interval: +-0.0284
+    assert (a.high - a.low) / 2 == pytest.approx(half, rel=0.08)
+    assert bootstrap_mean(np.ones(5)).low == 1.0

@@ -1,0 +1,136 @@
+"""Length-grouped batches (less padding, same order in every process and after a resume) and gradient clipping
+per parameter group, with the adapters' and the mixer's gradient norms logged apart."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import EOS, VOCAB
+from dist_helpers import Interrupt
+from test_train import make_trainer, read_log, weights
+
+from bitune.data.sampling import LengthGroupedSampler, grouped_order, padding_share
+from bitune.train.trainer import checkpoints, run_training
+
+
+def skewed_lengths(n: int = 400, seed: int = 0) -> list[tuple[int, int]]:
+    """ARC-like: prompts 20-180 tokens, answers 1-30."""
+    r = random.Random(seed)
+    return [(r.randint(20, 180), r.randint(1, 30)) for _ in range(n)]
+
+
+def test_grouped_order_is_a_seeded_permutation_of_whole_batches():
+    lengths = skewed_lengths(403)
+    sampler = LengthGroupedSampler(lengths, batch_size=8, seed=3)
+    first = sampler.order()
+    assert sorted(first) == list(range(403))
+    assert first == LengthGroupedSampler(lengths, batch_size=8, seed=3).order()  # seed + epoch only
+    sampler.set_epoch(1)
+    assert sampler.order() != first  # a new order per epoch
+    assert LengthGroupedSampler(lengths, batch_size=8, seed=4).order() != first
+    assert set(first[-3:]) == set(first[400:])  # the short batch stays last, whole
+
+
+def test_grouping_cuts_padding_below_ten_percent():
+    lengths = skewed_lengths(800)
+    shuffled = torch.randperm(800, generator=torch.Generator().manual_seed(0)).tolist()
+    grouped = grouped_order(lengths, 8, torch.Generator().manual_seed(0))
+    random_share, grouped_share = padding_share(lengths, shuffled, 8), padding_share(lengths, grouped, 8)
+    assert random_share > 0.25
+    assert grouped_share < 0.10
+
+
+def test_padding_share_counts_each_prompt_pass():
+    lengths = [(4, 1), (2, 3)]  # batch pads prompts to 4, answers to 3
+    assert padding_share(lengths, [0, 1], 2, prompt_passes=2) == pytest.approx(1 - (9 + 7) / (2 * 11))
+    assert padding_share(lengths, [0, 1], 2, prompt_passes=1) == pytest.approx(1 - (5 + 5) / (2 * 7))
+
+
+def varied_samples(n: int = 24, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, a = 2 + (7 * i) % 13, 1 + (5 * i) % 6
+        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
+                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
+    return out
+
+
+def test_trainer_groups_batches_by_default_and_logs_padding(tmp_path):
+    data = varied_samples()
+    trainer, settings = make_trainer(tmp_path / "g", data=data, batch_size=4, grad_accum=1, steps=6, log_every=3)
+    assert trainer.group_by_length
+    assert isinstance(trainer._get_train_sampler(), LengthGroupedSampler)
+    run_training(trainer, settings)
+    grouped = [r["padding_share"] for r in read_log(tmp_path / "g" / "run") if "loss" in r]
+    plain, settings = make_trainer(tmp_path / "p", data=data, batch_size=4, grad_accum=1, steps=6, log_every=3,
+                                   group_by_length=False)
+    assert not isinstance(plain._get_train_sampler(), LengthGroupedSampler)
+    run_training(plain, settings)
+    shuffled = [r["padding_share"] for r in read_log(tmp_path / "p" / "run") if "loss" in r]
+    assert len(grouped) == len(shuffled) == 2
+    assert sum(grouped) < sum(shuffled)
+    one, _ = make_trainer(tmp_path / "one", data=data, batch_size=1)
+    assert not one.group_by_length  # nothing to group at batch 1
+
+
+def test_grouped_resume_matches_uninterrupted_run(tmp_path):
+    data = varied_samples()
+    full, settings = make_trainer(tmp_path / "full", data=data, batch_size=4, grad_accum=1, steps=8)
+    run_training(full, settings)
+    expected = weights(full)
+    first, settings = make_trainer(tmp_path / "cut", data=data, batch_size=4, grad_accum=1, steps=8, save_every=4,
+                                   callbacks=[Interrupt(at=7)])
+    with pytest.raises(KeyboardInterrupt):  # a crash in the second epoch (6 batches per epoch)
+        run_training(first, settings)
+    assert [p.name for p in checkpoints(tmp_path / "cut" / "run")] == ["checkpoint-4"]  # resumes mid-epoch
+    resumed, settings = make_trainer(tmp_path / "cut", data=data, batch_size=4, grad_accum=1, steps=8, save_every=4)
+    run_training(resumed, settings, resume=True)
+    for k, v in weights(resumed).items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_group_norms_are_logged_and_clip_all_scales_everything(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=2, max_grad_norm=1e-3)
+    run_training(trainer, settings)
+    for r in (r for r in read_log(tmp_path / "run") if "loss" in r):
+        total = (r["grad_norm_adapters"] ** 2 + r["grad_norm_mixer"] ** 2) ** 0.5
+        assert r["grad_norm"] == pytest.approx(total, rel=1e-4)  # the groups split the logged pre-clip norm
+        assert r["grad_norm_mixer"] > 0 and r["grad_norm_adapters"] > 0
+
+
+def _clip_once(tmp_path, clip: str) -> tuple[dict, dict]:
+    """Gradients of one backward, before and after the trainer's clipping."""
+    trainer, settings = make_trainer(tmp_path / clip, clip=clip, max_grad_norm=1e-3)
+    trainer.create_optimizer()
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.compute_loss(trainer.model, batch).backward()
+    before = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}
+    trainer._clip_grad_norm(trainer.model)
+    after = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}
+    return before, after
+
+
+def test_clip_adapters_leaves_the_mixer_unclipped(tmp_path):
+    before, after = _clip_once(tmp_path, "adapters")
+    mixer = [k for k in before if k.startswith("mixer:")]
+    adapters = [k for k in before if not k.startswith("mixer:")]
+    assert mixer and adapters
+    for k in mixer:
+        torch.testing.assert_close(after[k], before[k])
+    norm = torch.stack([after[k].norm() for k in adapters]).norm()
+    assert norm == pytest.approx(1e-3, rel=1e-3)  # clipped to max_grad_norm
+    before, after = _clip_once(tmp_path, "all")
+    total = torch.stack([after[k].norm() for k in before]).norm()
+    assert total == pytest.approx(1e-3, rel=1e-3)
+    assert all(after[k].norm() < before[k].norm() for k in mixer)
+
+
+def test_clip_setting_is_validated():
+    from bitune.errors import BituneError
+    from bitune.train.settings import TrainSettings
+
+    with pytest.raises(BituneError, match="clip='mixer'"):
+        TrainSettings(clip="mixer")
