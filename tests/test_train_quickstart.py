@@ -11,45 +11,30 @@ from conftest import VOCAB, tiny_model
 
 from bitune import BituneConfig, BituneModel
 from bitune.data.templates import Example
-from bitune.quickstart import score_choices
 
 
 
 
-class CharTokenizer:
-    """One token per character (ids 3..VOCAB-1), pad 0: enough to score choices on a tiny model."""
+def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
+    import numpy as np
 
-    pad_token_id = 0
+    from bitune.quickstart import add_statistics, print_table
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [3 + ord(c) % (VOCAB - 3) for c in text]}
-
-
-def questions() -> list[Example]:
-    return [Example(prompt=f"Q{i}: pick\nAnswer:", answer=" yes", choices=[" yes", " no way", " maybe"], gold=i % 3)
-            for i in range(5)]
-
-
-@pytest.mark.parametrize("variant", ["pretrained", "bitune"])
-def test_score_choices_matches_forward_per_choice(variant):
-    transformers.set_seed(0)
-    model = BituneModel.wrap(tiny_model(), BituneConfig(variant=variant))
-    with torch.no_grad():
-        for p in model.trainable_parameters().values():
-            p.add_(torch.randn_like(p) * 0.1)
-    tok = CharTokenizer()
-    exs = questions()
-    got = score_choices(model, tok, exs, batch_size=2)
-    # reference: one ordinary forward per (question, choice), argmax of the summed token log-probs
-    correct = 0
-    for e in exs:
-        p = torch.tensor([tok(e.prompt)["input_ids"]])
-        totals = []
-        for c in e.choices:
-            a = torch.tensor([tok(c)["input_ids"]])
-            totals.append(model(p, torch.ones_like(p), a, torch.ones_like(a)).token_logprobs.sum().item())
-        correct += int(torch.tensor(totals).argmax()) == e.gold
-    assert got.n == 5 and got.acc == correct / 5
+    correct = {"pretrained": np.r_[np.ones(30), np.zeros(70)], "lora": np.r_[np.ones(40), np.zeros(60)],
+               "bitune": np.r_[np.ones(50), np.zeros(50)]}
+    rows = {v: {"acc": c.mean(), "acc_norm": c.mean(), "n": 100, "train_s": 1.0, "eval_s": 1.0}
+            for v, c in correct.items()}
+    add_statistics(rows, correct)
+    assert "vs_lora" not in rows["lora"]
+    assert rows["bitune"]["vs_lora"]["diff"] == pytest.approx(0.10)
+    assert (rows["bitune"]["vs_lora"]["only_this_right"], rows["bitune"]["vs_lora"]["only_lora_right"]) == (10, 0)
+    lo, hi = rows["bitune"]["vs_lora"]["ci"]
+    assert 0 < lo < 0.10 < hi
+    assert rows["pretrained"]["vs_lora"]["diff"] == pytest.approx(-0.10)
+    print_table({"model": "m", "task": "arc_easy", "eval_examples": 100, "steps": 30, "batch_size": 4, "seed": 42,
+                 "results": rows, "threads": 2, "total_s": 60})
+    out = capsys.readouterr().out
+    assert "smoke test" in out and "results/" in out and "+10.0 [" in out and "40.0 [" in out
 
 
 @pytest.mark.integration

