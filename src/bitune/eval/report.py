@@ -358,8 +358,45 @@ def load_records(files: list[Path]) -> list[dict]:
                 raise BituneError(f"{f}: tasks.{task} is not a mapping of metrics")
         if record.get("samples") is not None and not isinstance(record["samples"], dict):
             raise BituneError(f"{f}: field 'samples' is not a mapping of tasks")
+        train_s = _train_seconds(f.parent / "log.jsonl")
+        if train_s is not None:
+            record.setdefault("timing", {})["train_s"] = train_s
         records.append(record)
     return records
+
+
+def _train_seconds(log: Path) -> float | None:
+    """Trainer's ``train_runtime`` from a run folder's ``log.jsonl`` (the last one: a resumed run logs its own)."""
+    if not log.is_file():
+        return None
+    found = None
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict) and isinstance(item.get("train_runtime"), (int, float)):
+            found = float(item["train_runtime"])
+    return found
+
+
+def timing_rows(records: list[dict]) -> list[list[str]]:
+    """Rows: tasks, method, runs, mean training and evaluation wall time per run (minutes), total (minutes)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        tasks = "+".join(TASK_TITLES.get(t, t) for t in r["tasks"])
+        groups.setdefault((tasks, r["label"]), []).append(r.get("timing") or {})
+    rows = []
+    for (tasks, label), timings in sorted(groups.items(), key=lambda kv: (kv[0][0], method_key(kv[0][1]))):
+        train = [t["train_s"] for t in timings if isinstance(t.get("train_s"), (int, float))]
+        evals = [t["eval_s"] for t in timings if isinstance(t.get("eval_s"), (int, float))]
+        total = sum(train) + sum(evals)
+        rows.append([tasks, label, str(len(timings)), f"{sum(train) / len(train) / 60:.1f}" if train else "-",
+                     f"{sum(evals) / len(evals) / 60:.1f}" if evals else "-", f"{total / 60:.1f}"])
+    return rows
+
+
+TIMING_HEADER = ["task", "method", "runs", "train min/run", "eval min/run", "total min"]
 
 
 def title_of(tasks: list[str], metric: str, gsm8k_metric: str) -> str:
@@ -392,6 +429,12 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                       "questions. Per seed: the difference, the questions only the method / only the baseline "
                       "gets right, and the exact McNemar p-value.\n",
                       markdown_table(DIFFERENCE_HEADER, rows, left=5)]
+    timing = timing_rows(records)
+    if any(r[3] != "-" or r[4] != "-" for r in timing):
+        total = sum(float(r[5]) for r in timing)
+        parts += ["\n## Wall time\n", f"Training (Trainer's train_runtime in each run's log.jsonl) and evaluation "
+                  f"(lm-eval) per run, as recorded on the machine that ran them; {total / 60:.1f} h in all.\n",
+                  markdown_table(TIMING_HEADER, timing, left=2)]
     if skipped:
         parts.append(f"\nNo per-question data (re-run 'bitune eval' to include them): {', '.join(skipped)}.\n")
     return report, "\n".join(parts), tasks
