@@ -1,5 +1,9 @@
 """Bitune (paper section 2): read the prompt twice, mix the two KV caches, answer causally on top.
 
+Read :mod:`bitune.reference` first: the method in ~40 lines of plain Hugging Face forwards. This module computes
+the same numbers (tests hold every path to the reference) with the prompt passes cut short after the last
+layer's keys/values, both passes batched as one forward, or everything fused into one forward.
+
 For a batch of left-padded prompts x_1..x_P and right-padded answers y_1..y_A:
 
 1. prompt passes over x_1..x_{P-1}: pass A causal with the causal weights, pass B bidirectional with the bidir
@@ -44,7 +48,9 @@ class BituneOutput:
     """Result of a forward.
 
     Attributes:
-        loss: mean cross-entropy over all real answer tokens of the batch (scalar).
+        loss: the training loss (scalar): the mean over examples of each example's mean answer-token
+            cross-entropy (``example_loss.mean()``; every example weighs the same, as in the paper's batch-1
+            setup). This is what ``bitune train`` optimises.
         logits: (B, A, V) ``logits[:, t]`` predicts ``answer_ids[:, t]``.
         token_logprobs: (B, A) log-probability of each answer token (0 on padding).
         example_loss: (B,) mean cross-entropy per example.
@@ -500,8 +506,8 @@ def _load_strict_dict(params: nn.ParameterDict, state: dict, path: Path) -> None
 def _answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> BituneOutput:
     m = answer_mask.to(torch.float32)  # (B, A)
     logp = F.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids.unsqueeze(-1)).squeeze(-1) * m  # (B, A)
-    loss = -logp.sum() / m.sum()
-    return BituneOutput(loss=loss, logits=logits, token_logprobs=logp, example_loss=-logp.sum(1) / m.sum(1))
+    example_loss = -logp.sum(1) / m.sum(1)  # (B,)
+    return BituneOutput(loss=example_loss.mean(), logits=logits, token_logprobs=logp, example_loss=example_loss)
 
 
 def _check_architecture(model: nn.Module) -> None:
