@@ -52,9 +52,19 @@ def test_list_models_default_first():
     assert set(names) == {"smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"}
 
 
-def test_resolve_passes_folders_and_hub_ids(tiny_folder, cache):
+def test_resolve_passes_folders_and_hub_ids(tiny_folder, cache, monkeypatch):
+    import huggingface_hub
+
     assert hub.resolve_model(str(tiny_folder)) == str(tiny_folder)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda name, timeout: None)  # the hub answers: it exists
     assert hub.resolve_model("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+
+    def unreachable(name, timeout):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)  # no retries: one failed request, one error
+    with pytest.raises(BituneError, match="cannot be reached"):
+        hub.resolve_model("HuggingFaceTB/SmolLM2-135M")
     with pytest.raises(BituneError, match="does not exist.*smollm2-135m"):
         hub.resolve_model("./no/such/folder")
     with pytest.raises(BituneError, match="did you mean the built-in 'smollm2-135m'"):

@@ -158,8 +158,9 @@ def test_corrupt_checkpoint_on_resume_fails_and_keeps_files(tmp_path):
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path):
-    first, settings = make_trainer(tmp_path, steps=2, save_every=1)
-    run_training(first, settings)
+    first, settings = make_trainer(tmp_path, steps=2, save_every=1, callbacks=[Interrupt(at=2)])
+    with pytest.raises(KeyboardInterrupt):
+        run_training(first, settings)
     second, settings = make_trainer(tmp_path, steps=4, lr=1e-3)
     with pytest.raises(BituneError, match=r"\['lr'\]"):
         run_training(second, settings, resume=True)

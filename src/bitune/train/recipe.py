@@ -12,6 +12,7 @@ import transformers
 from ..errors import BituneError
 from ..model import BituneModel
 from .settings import TrainSettings
+from .run_folder import run_lock
 from .trainer import TrainResult, build_trainer, prepare_output_dir, run_training
 
 
@@ -33,7 +34,8 @@ def load_data(settings: TrainSettings, tokenizer, split: str, limit: int | None,
     return samples, dropped
 
 
-def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
+def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], None] = print,
+          overwrite: bool = False) -> TrainResult:
     """Run a training job end to end.
 
     Loads the base model (``bitune.hub.load_model``) and the data, wraps the model as ``settings.bitune``
@@ -44,11 +46,17 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
         settings: the validated run settings.
         resume: continue from the last complete checkpoint in ``output_dir``.
         say: where progress lines go.
+        overwrite: allow replacing a run in ``output_dir`` (see :func:`bitune.train.run_folder.check_run_folder`).
 
     Raises:
-        BituneError: unknown model or dataset, empty split, a run folder that would be overwritten,
-            a corrupt checkpoint.
+        BituneError: unknown model or dataset, empty split, max_length beyond the model's positions, a run
+            folder that would be overwritten or is in use, a corrupt checkpoint, a diverged run.
     """
+    with run_lock(settings.output_dir):  # the main process holds the run folder from the first check to the end
+        return _train(settings, resume, say, overwrite)
+
+
+def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], overwrite: bool) -> TrainResult:
     from ..data.collate import Collator
     from ..hub import load_model
 
@@ -56,8 +64,9 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
         raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
     if int(os.environ.get("RANK", "0")) != 0:
         say = _silent  # one process of a multi-process job reports
-    prepare_output_dir(Path(settings.output_dir), settings, resume, write=False)  # fail before the slow part
+    prepare_output_dir(Path(settings.output_dir), settings, resume, write=False, overwrite=overwrite)  # fail early
     base, tokenizer = load_model(settings.model)
+    check_max_length(settings.max_length, base.config, settings.model)
     train_data, dropped = load_data(settings, tokenizer, settings.train_split, settings.limit, say)
     eval_data = None
     if settings.eval_split is not None:
@@ -67,11 +76,25 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
     model = BituneModel.wrap(base, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad))
-    result = run_training(trainer, settings, resume, first_log={
+    result = run_training(trainer, settings, resume, overwrite=overwrite, first_log={
         "event": "data", "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
         "eval_examples": len(eval_data) if eval_data is not None else 0})
-    say(f"bitune train: final model in {result.final_dir} (train_loss {result.metrics.get('train_loss', 0):.4f})")
+    loss = result.metrics.get("train_loss", result.metrics.get("train_loss_since_resume", float("nan")))
+    say(f"bitune train: final model in {result.final_dir} (train_loss {loss:.4f})")
     return result
+
+
+def check_max_length(max_length: int, model_config, name: str) -> None:
+    """Refuse a ``max_length`` beyond the model's maximum position (samples that long would run past the
+    positions it was trained on).
+
+    Raises:
+        BituneError: naming both lengths and the fix.
+    """
+    limit = getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise BituneError(f"max_length={max_length} is longer than model {name!r}'s maximum position ({limit} "
+                          f"tokens); set max_length <= {limit} (longer samples are dropped and counted)")
 
 
 def _silent(line: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import yaml
 
 from ..config import BituneConfig
 from ..errors import BituneError
+from ..files import read_text
 
 EXTENDS_KEY = "extends"
 BF16_CHOICES = ("auto", "true", "false")
@@ -106,6 +108,8 @@ class TrainSettings:
         for name in ("limit", "eval_limit", "steps", "eval_every", "save_every", "save_total_limit"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if not 0 <= self.seed < 2**32:
+            raise BituneError(f"seed must be in [0, 2**32), got {self.seed}")
         if not self.model:
             raise BituneError("model must name a base model")
         if not self.dataset:
@@ -213,6 +217,8 @@ def load_settings(path: str | Path | list[str | Path] | None = None,
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        if value is not None and not isinstance(value, str) and _is_text_setting(key.strip()):
+            value = raw  # a text setting takes the text as written: output_dir={variant}, model=007
         _set_dotted(data, key.strip(), value)
     return TrainSettings.from_dict(data)
 
@@ -225,7 +231,7 @@ def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in _seen:
         raise BituneError(f"{path}: 'extends' forms a cycle")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(read_text(path, "config file")) or {}
     except yaml.YAMLError as e:
         raise BituneError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
     if not isinstance(data, dict):
@@ -276,23 +282,37 @@ def _bitune_config(data: dict[str, Any]) -> BituneConfig:
         raise BituneError(f"bitune: {e}") from e
 
 
+def _is_text_setting(key: str) -> bool:
+    """Whether a (dotted) setting is typed ``str`` or ``str | None``."""
+    section, _, name = key.rpartition(".")
+    hints = {"": _hints(), "bitune": typing.get_type_hints(BituneConfig)}.get(section, {})
+    return hints.get(name) in (str, str | None, typing.Optional[str])
+
+
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(TrainSettings)
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Check ``value`` against a simple annotation (int, float, str, bool, X | None), converting YAML strings
-    like ``1e-3`` (YAML 1.1 reads them as text) and ints for floats."""
+    like ``1e-3`` (YAML 1.1 reads them as text) and ints for floats. Numbers must be finite, and a boolean is
+    never a number (``lr=true`` is an error, not 1.0)."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         hint = next(a for a in args if a is not type(None))
-    if hint is float and not isinstance(value, bool):
+    if hint not in (float, int, str, bool):
+        return value  # checked by the section's own dataclass
+    if hint is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except ValueError:
             pass
+        else:
+            if not math.isfinite(number):
+                raise BituneError(f"{name}={value!r} is not a finite number")
+            return number
     elif hint is int and not isinstance(value, bool):
         if isinstance(value, int):
             return value
@@ -307,9 +327,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return str(value)
     elif hint is bool and isinstance(value, bool):
         return value
-    else:
-        return value
-    raise BituneError(f"{name}={value!r} is not a valid {getattr(hint, '__name__', hint)}")
+    quote = " (quote a text that starts with '{' or '[' in YAML)" if isinstance(value, (dict, list)) else ""
+    kind = {float: "float (a number)", int: "int (a whole number)", str: "str (a text)", bool: "bool (true/false)"}
+    raise BituneError(f"{name}={value!r} is not a valid {kind[hint]}{quote}")
 
 
 def _positive(name: str, value: int) -> None:

@@ -16,6 +16,7 @@ differently). Logging, checkpoints and the final model are written by the main p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -33,14 +34,9 @@ from transformers.trainer_pt_utils import safe_globals
 from ..errors import BituneError
 from ..files import replace_dir, write_text_atomic
 from ..model import BituneModel, read_config
+from .run_folder import (CHECKPOINT_PREFIX, FINAL_DIR, LOG_FILE, SETTINGS_FILE, STATE_FILE, TB_DIR,
+                         check_run_folder, checkpoint_step, checkpoints, clear_run, run_lock)
 from .settings import TrainSettings
-
-CHECKPOINT_PREFIX = "checkpoint-"
-STATE_FILE = "trainer_state.json"
-LOG_FILE = "log.jsonl"
-SETTINGS_FILE = "settings.yaml"
-FINAL_DIR = "final"
-TB_DIR = "tensorboard"
 
 
 class BituneTrainer(Trainer):
@@ -54,15 +50,39 @@ class BituneTrainer(Trainer):
     """What ``max_grad_norm`` clips: ``"all"`` trainable parameters together, or only the ``"adapters"``."""
     _group_norms: dict[str, float] | None = None
     _positions = (0, 0)  # (real, computed) positions of the training batches since the last log
+    _resume_step = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Example-mean loss of the batch: the mean over its B examples of each example's mean answer-token
-        cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring."""
+        cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring.
+
+        Raises:
+            BituneError: the training loss is inf or NaN (training stops before the step is taken).
+        """
         out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
-        loss = out.example_loss.mean()  # (B,) -> scalar
+        loss = out.loss  # the example mean: out.example_loss (B,) averaged
         if model.training:
+            if not torch.isfinite(loss.detach()):
+                raise BituneError(self._diverged(f"the training loss is {float(loss.detach())}"))
             self._count_positions(inputs)
         return (loss, out) if return_outputs else loss
+
+    def _diverged(self, what: str) -> str:
+        """The message of a run stopped because it diverged: what happened and what was kept."""
+        found = checkpoints(Path(self.args.output_dir))
+        kept = f"the last good checkpoint {found[-1]} is kept" if found else "no checkpoint had been written"
+        return (f"training diverged at step {self.state.global_step + 1}: {what}; stopped without saving: {kept} "
+                "and no final/ is written. Lower lr, raise warmup_ratio or set max_grad_norm")
+
+    def check_finite(self) -> None:
+        """Refuse to save weights that hold inf or NaN.
+
+        Raises:
+            BituneError: naming a non-finite trained tensor.
+        """
+        bad = [k for k, p in self.model.trainable_parameters().items() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise BituneError(self._diverged(f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"))
 
     def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
         """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
@@ -114,7 +134,10 @@ class BituneTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log, plus on training records: the last step's gradient norm per group (before clipping)
-        and the padding share of the batches since the previous log."""
+        and the padding share of the batches since the previous log; a resumed run's ``train_loss`` summary is
+        the mean over all its steps (see :meth:`_full_run_loss`)."""
+        if "train_loss" in logs and self._resume_step:
+            logs.update(self._full_run_loss(logs.pop("train_loss")))
         if "loss" in logs and "eval_loss" not in logs:
             for name, value in (self._group_norms or {}).items():
                 logs[f"grad_norm_{name}"] = value
@@ -123,6 +146,19 @@ class BituneTrainer(Trainer):
                 logs["padding_share"] = round(1.0 - real / computed, 4)
             self._positions = (0, 0)
         super().log(logs, start_time)
+
+    def _full_run_loss(self, since_resume: float) -> dict[str, float]:
+        """``train_loss`` over every step of a resumed run, from Trainer's mean over the steps run since the
+        resume and the losses logged before it (every checkpoint step is logged, see :class:`LogAtSave`, so
+        those records cover steps 1..resume step exactly). A checkpoint written without that record gives
+        ``train_loss_since_resume`` instead."""
+        start, end = self._resume_step, self.state.global_step
+        records = sorted((r["step"], r["loss"]) for r in self.state.log_history if "loss" in r and r["step"] <= start)
+        if not records or records[-1][0] != start:
+            return {"train_loss_since_resume": since_resume}
+        steps = [0, *(step for step, _ in records)]
+        before = sum(loss * (step - prev) for (step, loss), prev in zip(records, steps))
+        return {"train_loss": (before + since_resume * (end - start)) / max(end, 1)}
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Validation: the loss only."""
@@ -172,6 +208,7 @@ class BituneTrainer(Trainer):
         With several processes every one writes its ``rng_state_<rank>.pth`` into the staging folder; only the
         main process writes the rest, renames and rotates, and the others wait at barriers around it.
         """
+        self.check_finite()  # a diverged model never replaces a good checkpoint
         root = Path(self.args.output_dir)
         name = f"{CHECKPOINT_PREFIX}{self.state.global_step}"
         main = self.args.should_save
@@ -200,6 +237,7 @@ class BituneTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Strictly load the checkpoint's weights (the config must match this run's)."""
+        self._resume_step = checkpoint_step(Path(resume_from_checkpoint))
         saved = read_config(Path(resume_from_checkpoint))
         if saved != self.model.config:
             raise BituneError(f"{resume_from_checkpoint} was trained with {saved}, this run uses "
@@ -254,6 +292,15 @@ class JsonlLogger(TrainerCallback):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+class LogAtSave(TrainerCallback):
+    """Log the training loss at every checkpoint step too, so the log up to a checkpoint covers all its steps
+    (a resumed run's ``train_loss`` summary is then exact, and ``log.jsonl`` is cut exactly at the checkpoint)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            control.should_log = True
 
 
 class LossProgress(ProgressCallback):
@@ -346,7 +393,7 @@ def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[
     args = training_arguments(settings, bf16, use_cpu)
     trainer = BituneTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
                             data_collator=collator,
-                            callbacks=[JsonlLogger(Path(settings.output_dir), tensorboard)])
+                            callbacks=[JsonlLogger(Path(settings.output_dir), tensorboard), LogAtSave()])
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(LossProgress())
     trainer._keep = settings.save_total_limit
@@ -359,30 +406,44 @@ def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[
 
 
 def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool = False,
-                 first_log: dict[str, Any] | None = None) -> TrainResult:
+                 first_log: dict[str, Any] | None = None, overwrite: bool = False) -> TrainResult:
     """Train (optionally resuming from the last complete checkpoint), then save ``final/``.
 
     Runs the same in every process of a multi-process job: all check the run folder and train; only the main
-    process writes ``settings.yaml``, the log and ``final/``, and every process returns once they exist.
+    process holds the folder's lock (:func:`~bitune.train.run_folder.run_lock`) and writes ``settings.yaml``,
+    the log and ``final/``, and every process returns once they exist.
 
     Args:
         trainer: from :func:`build_trainer`.
         settings: the run's settings, written to ``settings.yaml``.
         resume: continue from the newest complete ``checkpoint-N`` in ``output_dir``.
         first_log: a record written to ``log.jsonl`` before training (e.g. data counts); not on resume.
+        overwrite: allow replacing a run (see :func:`~bitune.train.run_folder.check_run_folder`).
+
+    Raises:
+        BituneError: the folder is locked by another run, holds a run this one may not replace, has nothing to
+            resume, a checkpoint is corrupt, or training diverged (inf/NaN loss or weights; nothing is saved).
     """
     out = Path(settings.output_dir)
     main = trainer.args.should_save
+    with run_lock(out) if main else contextlib.nullcontext():
+        return _run_training(trainer, settings, resume, first_log, overwrite)
+
+
+def _run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool, first_log: dict[str, Any] | None,
+                  overwrite: bool) -> TrainResult:
+    out = Path(settings.output_dir)
+    main = trainer.args.should_save
     wait = trainer.accelerator.wait_for_everyone
-    checkpoint = prepare_output_dir(out, settings, resume, write=False)  # every rank checks before anyone writes
+    checkpoint = prepare_output_dir(out, settings, resume, write=False, overwrite=overwrite)  # all check first
     if checkpoint is not None:
         check_world_size(checkpoint, trainer.args.world_size)
         verify_checkpoint(checkpoint, trainer.model)
     wait()
     if main:
-        prepare_output_dir(out, settings, resume)
+        prepare_output_dir(out, settings, resume, overwrite=overwrite)
     if main and checkpoint is not None:
-        truncate_log(out / LOG_FILE, _checkpoint_step(checkpoint))
+        truncate_log(out / LOG_FILE, checkpoint_step(checkpoint))
         print(f"bitune train: resuming from {checkpoint}")
     elif main and first_log is not None:
         append_jsonl(out / LOG_FILE, {"step": 0, **first_log})
@@ -391,6 +452,7 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
     metrics = dict(result.metrics)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
+    trainer.check_finite()  # never write a diverged model as final/
     final = out / FINAL_DIR
     trainer.save_model(str(final))  # every process calls it; the main one writes
     wait()
@@ -399,46 +461,19 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
 
 
 # --------------------------------------------------------------------------------------------------- run folder
-def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints in a run folder, oldest first."""
-    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
-             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / STATE_FILE).is_file()]
-    return sorted(found, key=_checkpoint_step)
-
-
-def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: bool = True) -> Path | None:
-    """Check the run folder against this run and write ``settings.yaml``; return the checkpoint to resume from.
-
-    A fresh run refuses a folder that already holds a run (nothing written is overwritten); a resumed run
-    refuses settings that differ from the saved ones (other than the output folder and the step counts).
-    ``write=False`` only checks.
-    """
-    saved_path = out / SETTINGS_FILE
-    found = checkpoints(out)
-    if not resume:
-        if found or (out / FINAL_DIR).exists() or (out / LOG_FILE).exists():
-            raise BituneError(f"{out} already holds a training run; pass --resume to continue it "
-                              "or choose another output_dir")
-    elif saved_path.exists():
-        import yaml
-        try:
-            saved = yaml.safe_load(saved_path.read_text())
-        except yaml.YAMLError as e:
-            raise BituneError(f"{saved_path} is corrupt ({e}); cannot check the run to resume") from e
-        now = settings.to_dict()
-        changed = sorted(k for k in now if k not in ("output_dir", "steps", "epochs", "save_every",
-                                                     "save_total_limit", "log_every", "eval_every", "num_workers")
-                         and k in (saved or {}) and saved[k] != now[k])  # a key an older version did not write: its default
-        if changed:
-            raise BituneError(f"--resume: settings {changed} differ from the saved run in {saved_path}; "
-                              "resume with the same settings or choose another output_dir")
+def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: bool = True,
+                       overwrite: bool = False) -> Path | None:
+    """Check the run folder against this run (:func:`~bitune.train.run_folder.check_run_folder`) and write
+    ``settings.yaml``; return the checkpoint to resume from. ``write=False`` only checks; with ``overwrite`` and
+    without ``resume`` the old run is deleted first."""
+    checkpoint = check_run_folder(out, settings, resume, overwrite)
     if not write:
-        return found[-1] if resume and found else None
-    if resume and not found:
-        print(f"bitune train: no checkpoint in {out}; starting from scratch")
+        return checkpoint
+    if overwrite and not resume:
+        clear_run(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(saved_path, settings.to_yaml())
-    return found[-1] if resume and found else None
+    write_text_atomic(out / SETTINGS_FILE, settings.to_yaml())
+    return checkpoint
 
 
 def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
@@ -503,10 +538,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _checkpoint_step(path: Path) -> int:
-    return int(Path(path).name[len(CHECKPOINT_PREFIX):])
 
 
 def _rotate(root: Path, keep: int | None) -> None:
