@@ -46,7 +46,7 @@ def trained_run(tmp_path_factory):
 def test_mixing_figures_have_one_curve_per_layer_and_end_at_the_trained_ratios(trained_run):
     run, model = trained_run
     steps, ratios = read_mixing_log(run / LOG_FILE)
-    assert steps == [1, 2, 3]
+    assert steps == [0, 1, 2, 3] and ratios["k"][0] == ratios["v"][0] == [0.5] * LAYERS  # starts at the initial a
     curves, final = mixing_figures(steps, ratios)
     panels = [ax for ax in curves.axes if ax.get_lines()]
     assert len(panels) == 2 and len(curves.axes) == 3  # K, V and the layer colorbar
@@ -73,6 +73,28 @@ def test_plot_mixing_cli_writes_both_pngs(trained_run, tmp_path):
     assert main(["plot", "mixing", "--log", str(run / LOG_FILE), "--output", str(tmp_path)]) == 0
     for name in (STEPS_FILE, FINAL_FILE):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_shorter_than_log_every_plots_a_line_from_step_0_and_warns(tmp_path, capsys):
+    """Two steps with log_every=10: only the end-of-training line holds ratios; the curves still show."""
+    run = tmp_path / "run"
+    settings = TrainSettings.from_dict(dict(model="tiny", dataset="tiny", output_dir=str(run), batch_size=2,
+                                            grad_accum=1, steps=2, lr=5e-2, log_every=10, seed=0))
+    transformers.set_seed(0)
+    model = BituneModel.wrap(transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval(),
+                             settings.bitune)
+    data = [{"prompt_ids": [5, 6, 7, 8], "answer_ids": [9, 10, EOS]}] * 4
+    run_training(build_trainer(model, settings, data, None, Collator(0), tensorboard=False), settings)
+    out = tmp_path / "fig"
+    assert main(["plot", "mixing", "--log", str(run / LOG_FILE), "--output", str(out)]) == 0
+    assert "one training step only (step 2" in capsys.readouterr().err
+    steps, ratios = read_mixing_log(run / LOG_FILE)
+    assert steps == [0, 2]
+    curves, _ = mixing_figures(steps, ratios)
+    assert "only step 2 was logged" in curves.get_suptitle()
+    for ax in curves.axes[:2]:
+        for line in ax.get_lines():
+            assert list(line.get_xdata()) == [0, 2] and line.get_ydata()[0] == 0.5 and line.get_marker() == "o"
 
 
 def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):

@@ -17,19 +17,22 @@ end-of-turn token, and (paper template) at ``Question:``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
 from .cli import HelpFormatter
 from .errors import BituneError
-from .files import write_text_atomic
-from .generate import StopStreamer, add_model_options, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
-    pad_left, paper_prompt, sampling_options
+from .files import check_output_file, check_text, write_text_atomic
+from .generate import StopStreamer, add_model_options, answer_room, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
+    pad_left, paper_prompt, pick_template, sampling_options
 
 HELP = "multi-turn chat with a checkpoint in the terminal"
 MODES = ("recompute", "alternating")
 PAPER_STOP = "Question:"
+MAX_LINE = 1 << 20
+"""Longest user line read, in characters (a longer one is an error, never read whole)."""
 _MARK = "\ue000"  # a private-use character, to find where the last answer ends in a rendered history
 
 
@@ -40,8 +43,8 @@ class Conversation:
         model: the model.
         tokenizer: its tokenizer.
         mode: ``"recompute"`` or ``"alternating"`` (see the module docstring).
-        template: ``"auto"`` (the tokenizer's chat template if it has one, else ``"paper"``), ``"chat"`` or
-            ``"paper"``.
+        template: ``"auto"`` (:func:`bitune.generate.pick_template`: the template the checkpoint was trained with;
+            for a base model its chat template if it has one, else ``"paper"``), ``"chat"`` or ``"paper"``.
         max_new_tokens: cap on tokens per answer. Default 128.
         stop: extra stop strings.
         stream: print each answer to stdout as it is produced.
@@ -56,8 +59,12 @@ class Conversation:
         if mode not in MODES:
             raise BituneError(f"chat mode {mode!r} is not one of {list(MODES)}")
         has_chat = bool(getattr(tokenizer, "chat_template", None))
+        self.why = "as requested"
         if template == "auto":
-            template = "chat" if has_chat else "paper"
+            template, self.why = pick_template(model, tokenizer)
+            if template == "none":
+                raise BituneError("the checkpoint was trained on verbatim prompts (template 'none'), which have no "
+                                  "turns to continue; choose template 'chat' or 'paper'")
         if template not in ("chat", "paper"):
             raise BituneError(f"chat template {template!r} is not one of ['auto', 'chat', 'paper']")
         if template == "chat" and not has_chat:
@@ -92,9 +99,11 @@ class Conversation:
         else:
             ids = self._new_turn_ids(messages)
         device = next(self.model.parameters()).device
+        held = 0 if self._state is None else self._state.ids.shape[1] + 1  # cached tokens and the pending last one
+        room = answer_room(self.model, held + len(ids), self.max_new_tokens, "the conversation (/reset clears it)")
         ids, mask = pad_left([ids], self.pad, device)  # (1, P)
         out = self.model.generate(
-            ids, mask, past=self._state, return_state=self.mode == "alternating", max_new_tokens=self.max_new_tokens,
+            ids, mask, past=self._state, return_state=self.mode == "alternating", max_new_tokens=room,
             tokenizer=self.tokenizer, stop_strings=self.stops or None, eos_token_id=self.eos_ids,
             pad_token_id=self.pad, streamer=StopStreamer(self.tokenizer, self.markers) if self.stream else None,
             **self.sampling)
@@ -169,16 +178,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_model_options(parser)
     parser.add_argument("--mode", choices=MODES, default="recompute", help="how the history is carried")
     parser.add_argument("--template", choices=("auto", "chat", "paper"), default="auto",
-                        help="auto: the tokenizer's chat template if it has one, else paper "
-                             "('Question: ...\\n\\nAnswer: ...' turns)")
+                        help="auto: the template the checkpoint was trained with; for a base model (--model) its "
+                             "chat template if it has one, else paper ('Question: ...\\n\\nAnswer: ...' turns)")
     parser.add_argument("--save", metavar="FILE.json", help="write the conversation here when the chat ends")
     add_sampling_options(parser)
+
+
+def read_line(stream, n: int) -> str:
+    """Line ``n`` of the user's input ("" at its end), at most :data:`MAX_LINE` characters, valid UTF-8.
+
+    Raises:
+        BituneError: the line is longer, or not UTF-8 text (naming stdin and the line number).
+    """
+    try:
+        line = stream.readline(MAX_LINE + 1)
+    except UnicodeDecodeError as e:
+        raise BituneError(f"stdin line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if len(line) > MAX_LINE:
+        raise BituneError(f"stdin line {n}: longer than {MAX_LINE} characters")
+    return check_text(line, f"stdin line {n}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise BituneError("--max-new-tokens must be >= 1")
     sampling = sampling_options(args)
+    if args.save:
+        check_output_file(args.save, "--save")  # before the model loads and the conversation starts
     model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
     if args.seed is not None:
         from transformers import set_seed
@@ -186,13 +212,14 @@ def run(args: argparse.Namespace) -> int:
     conv = Conversation(model, tokenizer, mode=args.mode, template=args.template, max_new_tokens=args.max_new_tokens,
                         stop=args.stop, stream=True, **sampling)
     interactive = sys.stdin.isatty()
+    print(f"bitune chat: {args.mode} mode, {conv.template} template ({conv.why})", file=sys.stderr)
     if interactive:
-        print(f"bitune chat ({args.mode}, {conv.template} template): /reset clears the history, /exit quits")
+        print("/reset clears the history, /exit quits")
     try:
-        while True:
+        for n in itertools.count(1):
             if interactive:
                 print("> ", end="", flush=True)
-            line = sys.stdin.readline()
+            line = read_line(sys.stdin, n)
             if not line or line.strip() == "/exit":
                 break
             text = line.rstrip("\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,11 @@ METHODS: dict[str, str] = {
     "dora": "weight-decomposed LoRA (PEFT, use_dora=True)",
     "ia3": "IA3 activation scaling (PEFT)",
     "full": "full fine-tuning; Bitune variants keep a second full copy for the bidirectional pass",
+}
+TEMPLATES: dict[str, str] = {
+    "paper": "the paper's 'Question: ...\\n\\nAnswer:' template (tokenized with the tokenizer's special tokens)",
+    "chat": "the tokenizer's chat template, answer ended by its end-of-turn token",
+    "none": "the prompt text as given",
 }
 PASS_MASKS = ("causal", "bidirectional", "anti_causal")
 PROMPT_PASSES = ("auto", "fused", "batched", "sequential")
@@ -58,29 +64,41 @@ class BituneConfig:
     weight set; other methods always run sequentially."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
+    template: str | None = None
+    """Prompt template the model was trained with (one of ``TEMPLATES``), recorded by ``bitune train`` from the
+    data's format so generate, chat and eval use it by default; none: not recorded (a checkpoint written before
+    this field existed was trained with ``"paper"``)."""
 
     def __post_init__(self) -> None:
         _check_choice("variant", self.variant, VARIANTS)
         _check_choice("method", self.method, METHODS)
         if self.variant == "pretrained" and self.method != "lora":
             raise ValueError("BituneConfig.method: the 'pretrained' variant trains nothing; leave method='lora'")
+        if self.template is not None and (not isinstance(self.template, str) or self.template not in TEMPLATES):
+            raise ValueError(f"BituneConfig.template={self.template!r} is not one of {list(TEMPLATES)} (or None)")
         if self.prompt_passes not in PROMPT_PASSES:
             raise ValueError(f"BituneConfig.prompt_passes={self.prompt_passes!r} is not one of {list(PROMPT_PASSES)}")
-        if not isinstance(self.rank, int) or self.rank < 1:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
+        for name in ("lora_alpha", "lora_dropout", "theta_init"):
+            _check_number(name, getattr(self, name))
         if not self.lora_alpha > 0:
             raise ValueError(f"BituneConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"BituneConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if not self.theta_init > 0:
             raise ValueError(f"BituneConfig.theta_init must be > 0, got {self.theta_init!r}")
-        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+        if (self.target_modules != "all-linear" if isinstance(self.target_modules, str)
+                else not isinstance(self.target_modules, (list, tuple))
+                or not all(isinstance(m, str) and m for m in self.target_modules)):
             raise ValueError("BituneConfig.target_modules must be 'all-linear' or a list of module names, "
                              f"got {self.target_modules!r}")
         if not isinstance(self.target_modules, str):
             self.target_modules = list(self.target_modules)
             if not self.target_modules:
                 raise ValueError("BituneConfig.target_modules is empty")
+        if self.base_model is not None and (not isinstance(self.base_model, str) or not self.base_model.strip()):
+            raise ValueError(f"BituneConfig.base_model must be a model name or folder path, got {self.base_model!r}")
 
     # What the variant does, derived rather than stored.
     @property
@@ -130,9 +148,15 @@ class BituneConfig:
         return cls(**data)
 
 
+def _check_number(name: str, value: Any) -> None:
+    """A finite real number (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"BituneConfig.{name} must be a finite number, got {value!r}")
+
+
 def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}")
 
 
-__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS"]
+__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES"]

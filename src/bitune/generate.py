@@ -1,27 +1,30 @@
 """``bitune generate``: answers from a checkpoint (or a base model) for one prompt or a JSONL file of prompts.
 
-A prompt is wrapped in a template before tokenization: ``paper`` (the training template,
+A prompt is wrapped in a template before tokenization: ``paper`` (the paper's template,
 ``Question: {prompt}\\n\\nAnswer:``, tokenized with the tokenizer's special tokens as in training), ``chat`` (the
-tokenizer's chat template with the generation prompt) or ``none`` (the text as given). Decoding is greedy unless
-``--do-sample``; a single prompt is streamed to the terminal as it is produced.
+tokenizer's chat template with the generation prompt) or ``none`` (the text as given). By default the template is
+the one the checkpoint was trained with (:func:`pick_template`), and the command says which it uses. Decoding is
+greedy unless ``--do-sample``; a single prompt is streamed to the terminal as it is produced; an empty answer is
+reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 from transformers import TextStreamer
 
-from .cli import HelpFormatter
+from .cli import HelpFormatter, add_threads_option
+from .config import TEMPLATES
 from .errors import BituneError
-from .files import write_text_atomic
+from .files import check_output_file, check_text, read_text, write_text_atomic
 
 HELP = "generate answers from a checkpoint"
-TEMPLATES = ("paper", "chat", "none")
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -34,6 +37,23 @@ def load(checkpoint: str | None = None, model: str | None = None, base: str | No
 
 
 # --------------------------------------------------------------------------------------------------- prompts
+def pick_template(model, tokenizer, requested: str | None = None) -> tuple[str, str]:
+    """The template to write prompts with, and why (for the line every verb prints).
+
+    ``requested`` wins; else the template the checkpoint records (``BituneConfig.template``; checkpoints written
+    before it was recorded read as ``paper``, the one they were trained with); else (a base model, or a model wrapped
+    in Python) the tokenizer's chat template if it has one, otherwise ``paper``.
+    """
+    if requested is not None:
+        return requested, "as requested"
+    if model.config.template is not None:
+        return model.config.template, "the template the checkpoint was trained with"
+    what = "the base model" if model.config.variant == "pretrained" else "no template recorded; the tokenizer"
+    if getattr(tokenizer, "chat_template", None):
+        return "chat", f"{what} has a chat template"
+    return "paper", f"{what} has no chat template"
+
+
 def paper_prompt(instruction: str, input: str | None = None) -> str:
     """The paper's instruction template (:func:`bitune.data.templates.instruction_example`), prompt part."""
     from .data.templates import instruction_example
@@ -92,12 +112,11 @@ def end_of_turn_ids(tokenizer, model, template: str = "paper") -> list[int]:
     gen_eos = model.weights.base.generation_config.eos_token_id
     ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
     if template == "chat":
-        messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        after = tokenizer(text[text.rfind("y") + 1:], add_special_tokens=False)["input_ids"]
-        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-        if after and after[0] in special:
-            ids.append(after[0])
+        from .data.conversations import end_of_turn_id
+        try:
+            ids.append(end_of_turn_id(tokenizer))
+        except BituneError:
+            pass  # a template without a special end-of-turn token: eos ends answers
     if not ids:
         raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has no eos token to end answers with")
     return list(dict.fromkeys(ids))
@@ -159,8 +178,10 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
     for start in range(0, len(prompts), batch_size):
         rendered = [render(tokenizer, p, template) for p in prompts[start:start + batch_size]]
         ids, mask = encode(tokenizer, [r for r, _ in rendered], rendered[0][1], device)
+        room = answer_room(model, ids.shape[1], max_new_tokens,
+                           f"prompt {start + int(mask.sum(1).argmax()) + 1}")  # the longest of the batch
         streamer = StopStreamer(tokenizer, stop) if stream else None
-        new = model.generate(ids, mask, max_new_tokens=max_new_tokens, tokenizer=tokenizer,
+        new = model.generate(ids, mask, max_new_tokens=room, tokenizer=tokenizer,
                              stop_strings=stop or None, pad_token_id=_pad_id(tokenizer), streamer=streamer,
                              **sampling)  # (B, N)
         for row in new:
@@ -168,10 +189,38 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
     return answers
 
 
+def answer_room(model, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> int:
+    """``max_new_tokens``, capped (with a note on stderr) so that prompt + answer fit the model's maximum
+    position.
+
+    Raises:
+        BituneError: the prompt alone reaches the maximum position (names ``what``, its length and the limit).
+    """
+    limit = getattr(model.text_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return max_new_tokens
+    if prompt_tokens >= limit:
+        raise BituneError(f"{what} has {prompt_tokens} tokens, the model reads at most {limit} positions "
+                          "(prompt + answer); shorten it")
+    if prompt_tokens + max_new_tokens > limit:
+        print(f"bitune: {what} has {prompt_tokens} tokens: its answer is capped at {limit - prompt_tokens} new "
+              f"tokens (the model's maximum position is {limit})", file=sys.stderr)
+        return limit - prompt_tokens
+    return max_new_tokens
+
+
 def sampling_options(args: argparse.Namespace) -> dict:
     """transformers ``generate`` keywords from the sampling flags (unset flags keep the model's defaults)."""
     if not all(isinstance(s, str) and s for s in args.stop):
         raise BituneError("--stop needs a non-empty text (write --stop=TEXT for a text starting with '-')")
+    for flag, low, high, closed in (("temperature", 0.0, None, False), ("top_p", 0.0, 1.0, True),
+                                    ("repetition_penalty", 0.0, None, False)):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > low and (high is None or value <= high)):
+            allowed = f"in ({low:g}, {high:g}]" if high is not None else f"a finite number > {low:g}"
+            raise BituneError(f"--{flag.replace('_', '-')} {value}: must be {allowed}")
+    if args.top_k is not None and args.top_k < 1:
+        raise BituneError(f"--top-k {args.top_k}: must be >= 1")
     opts = {"do_sample": args.do_sample}
     if args.do_sample:
         opts.update({k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None})
@@ -191,6 +240,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         "one the checkpoint records")
     parser.add_argument("--device", default=None, help="torch device (unset: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+    add_threads_option(parser)
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -221,9 +271,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--prompt", help="one prompt; the answer is streamed to the terminal")
     what.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
     parser.add_argument("--output", metavar="FILE.jsonl", help="with --input: where answers go (default: stdout)")
-    parser.add_argument("--template", choices=TEMPLATES, default="paper",
-                        help="paper: 'Question: {prompt}\\n\\nAnswer:' (the training template); chat: the "
-                             "tokenizer's chat template; none: the prompt as given")
+    parser.add_argument("--template", choices=list(TEMPLATES), default=None,
+                        help="paper: 'Question: {prompt}\\n\\nAnswer:'; chat: the tokenizer's chat template; none: "
+                             "the prompt as given. Default: the template the checkpoint was trained with; for a base "
+                             "model (--model) its chat template if it has one, else paper")
     parser.add_argument("--batch-size", type=int, default=8, help="with --input: prompts per generate call")
     add_sampling_options(parser)
 
@@ -233,7 +284,7 @@ def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
     if not path.is_file():
         raise BituneError(f"--input {path}: no such file")
     records, prompts = [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "--input").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -247,6 +298,7 @@ def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
             text = f"{record['instruction']}\n{record['input']}" if record.get("input") else record["instruction"]
         if not isinstance(text, str) or not text.strip():
             raise BituneError(f"{path}:{n}: the prompt must be a non-empty string")
+        check_text(text, f"{path}:{n}: the prompt")
         records.append(record)
         prompts.append(text)
     if not records:
@@ -261,17 +313,25 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError("--output needs --input (a single --prompt is printed)")
     if args.prompt is not None and not args.prompt.strip():
         raise BituneError("--prompt is empty")
+    if args.prompt is not None:
+        check_text(args.prompt, "--prompt")
+    if args.output:
+        check_output_file(args.output, "--output")  # before the answers are computed
     records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
     if args.seed is not None:
         from transformers import set_seed
         set_seed(args.seed)
-    common = dict(template=args.template, max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling)
+    template, why = pick_template(model, tokenizer, args.template)
+    print(f"bitune generate: {template} template ({why})", file=sys.stderr)
+    common = dict(template=template, max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling)
     if args.prompt is not None:
-        generate_texts(model, tokenizer, [args.prompt], stream=True, **common)
+        answers = generate_texts(model, tokenizer, [args.prompt], stream=True, **common)
+        _report_empty(answers, template)
         return 0
     answers = generate_texts(model, tokenizer, prompts, batch_size=args.batch_size, **common)
+    _report_empty(answers, template)
     lines = "".join(json.dumps({**r, "output": a}) + "\n" for r, a in zip(records, answers))
     if args.output:
         write_text_atomic(Path(args.output), lines)
@@ -279,3 +339,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(lines)
     return 0
+
+
+def _report_empty(answers: list[str], template: str) -> None:
+    """Say on stderr how many answers are empty (the model ended at once, or a stop string came first)."""
+    empty = [i for i, a in enumerate(answers) if not a]
+    if not empty:
+        return
+    which = "the answer is empty" if len(answers) == 1 else \
+        f"{len(empty)} of {len(answers)} answers are empty (first: prompt {empty[0] + 1})"
+    print(f"bitune generate: {which}: the model ended its answer (or hit a stop text) at once; if the model was not "
+          f"trained with the {template!r} template, try another --template", file=sys.stderr)

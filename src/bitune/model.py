@@ -34,7 +34,7 @@ from . import attention
 from . import cache as kv
 from .adapters import WeightSets
 from .config import BituneConfig
-from .files import replace_dir
+from .files import apply_umask, replace_dir
 from .masks import concat_masks, fused_mask, pass_mask, position_ids
 from .mixer import Mixer
 
@@ -406,6 +406,7 @@ class BituneModel(nn.Module):
                     (tmp / "bidir").mkdir()
                     save_file({k: p.detach().cpu().contiguous() for k, p in self.weights.bidir.items()},
                               str(tmp / "bidir" / BIDIR_FULL_FILE))
+            apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
             replace_dir(tmp, directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -471,9 +472,17 @@ def read_config(directory: Path) -> BituneConfig:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing")
+    from .errors import BituneError
+    from .files import read_text
+
     try:
-        return BituneConfig.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
+        data = json.loads(read_text(path, "Bitune config"))
+        if isinstance(data, dict):
+            data.setdefault("template", "paper")  # written before templates were recorded: all trained with paper
+        return BituneConfig.from_dict(data)
+    except BituneError:
+        raise
+    except (ValueError, TypeError) as e:  # bad JSON, not an object, unknown keys, a field of the wrong type or value
         raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
 
 

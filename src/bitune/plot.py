@@ -1,7 +1,8 @@
 """``bitune plot``: the paper's figures of a run and a checkpoint.
 
 * ``mixing`` (paper A.5, figures 2-3): the mixing ratios a_k and a_v (eq. 8) of every layer over the training
-  steps, read from a run's ``log.jsonl``, and their final value per layer.
+  steps, read from a run's ``log.jsonl`` and starting at step 0 from the initial a = 0.5, and their final value
+  per layer.
 * ``attention`` (paper A.12): the attention of the causal and the bidirectional prompt pass over one prompt,
   averaged over layers and heads, side by side.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +21,8 @@ import torch
 from .errors import BituneError
 
 HELP = "plot mixing ratios over training and attention maps"
+INITIAL_RATIO = 0.5
+"""a = |theta| / (theta_init + |theta|) at theta = theta_init, for every theta_init: where every curve starts."""
 STEPS_FILE = "mixing_over_steps.png"
 FINAL_FILE = "mixing_final.png"
 ATTENTION_FILE = "attention.png"
@@ -37,7 +41,8 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
         path: a run's ``log.jsonl`` (lines with ``step`` and ``a_k`` / ``a_v`` lists, one value per layer).
 
     Returns:
-        ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order; where a step is logged twice
+        ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order, starting at step 0 with the initial
+        ratio 0.5 of every layer (training logs start at step ``log_every``); where a step is logged twice
         (Trainer's end-of-training summary repeats the last step), its last line counts.
     """
     path = Path(path)
@@ -57,6 +62,8 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
         by_step[int(record["step"])] = ([float(a) for a in record["a_k"]], [float(a) for a in record["a_v"]])
     if not by_step:
         raise BituneError(f"{path} holds no mixing ratios (a_k/a_v): is it the log of a variant that mixes?")
+    L = len(next(iter(by_step.values()))[0])
+    by_step.setdefault(0, ([INITIAL_RATIO] * L, [INITIAL_RATIO] * L))
     steps = sorted(by_step)
     return steps, {"k": [by_step[s][0] for s in steps], "v": [by_step[s][1] for s in steps]}
 
@@ -72,15 +79,19 @@ def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
     cmap, norm = colormaps["viridis"], Normalize(0, max(L - 1, 1))
     curves = Figure(figsize=(11, 4.2), layout="constrained")
     axes = curves.subplots(1, 2, sharey=True)
+    marker = "o" if len(steps) <= 20 else None  # a few logged steps: show each as a point, not only a line
     for ax, key in zip(axes, ("k", "v")):
         for layer in range(L):
-            ax.plot(steps, [r[layer] for r in ratios[key]], color=cmap(norm(layer)), linewidth=1.2)
+            ax.plot(steps, [r[layer] for r in ratios[key]], color=cmap(norm(layer)), linewidth=1.2, marker=marker,
+                    markersize=3)
         ax.set_title(f"$a_{key}$ ({key.upper()} features) per layer")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("bidirectional-to-causal ratio a")
     curves.colorbar(ScalarMappable(norm, cmap), ax=axes, label="layer index")
-    curves.suptitle("Mixing ratios over training (paper fig. 2)")
+    logged = [s for s in steps if s > 0]
+    note = f": only step {logged[0]} was logged (log_every is longer than the run)" if len(logged) == 1 else ""
+    curves.suptitle(f"Mixing ratios over training (paper fig. 2){note}")
 
     final = Figure(figsize=(6.5, 4), layout="constrained")
     ax = final.subplots()
@@ -97,8 +108,16 @@ def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
 
 
 def plot_mixing(log: str | Path, output_dir: str | Path) -> list[Path]:
-    """Write :data:`STEPS_FILE` and :data:`FINAL_FILE` for a run's ``log.jsonl`` into ``output_dir``."""
-    curves, final = mixing_figures(*read_mixing_log(log))
+    """Write :data:`STEPS_FILE` and :data:`FINAL_FILE` for a run's ``log.jsonl`` into ``output_dir``.
+
+    Warns on stderr when the log holds one training step only: its curves are then a straight line from step 0.
+    """
+    steps, ratios = read_mixing_log(log)
+    if len(steps) <= 2:
+        print(f"bitune plot: warning: {log} holds mixing ratios of one training step only (step {steps[-1]}; "
+              "log_every is longer than the run?): each curve joins the initial a = 0.5 at step 0 to it",
+              file=sys.stderr)
+    curves, final = mixing_figures(steps, ratios)
     return [_save(curves, output_dir, STEPS_FILE), _save(final, output_dir, FINAL_FILE)]
 
 
@@ -160,7 +179,8 @@ def _save(fig, output_dir: str | Path, name: str) -> Path:
 
 # --------------------------------------------------------------------------------------------------- CLI
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .generate import TEMPLATES, add_model_options
+    from .config import TEMPLATES
+    from .generate import add_model_options
 
     parser.description = ("Plot the paper's figures. Examples:\n"
                           "  bitune plot mixing --log runs/alpaca/log.jsonl --output figures/\n"
@@ -176,19 +196,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_options(attention)
     attention.add_argument("--prompt", required=True, help="the prompt to read")
-    attention.add_argument("--template", choices=TEMPLATES, default="paper", help="how the prompt is wrapped")
+    attention.add_argument("--template", choices=list(TEMPLATES), default=None,
+                           help="how the prompt is wrapped (default: the template the checkpoint was trained with; "
+                                "for a base model its chat template if it has one, else paper)")
     attention.add_argument("--max-labels", type=int, default=40, help="label the axes with tokens up to this length")
     attention.add_argument("--output", required=True, metavar="DIR", help=f"folder for {ATTENTION_FILE}")
 
 
 def run(args: argparse.Namespace) -> int:
+    from .files import check_output_dir
+
+    check_output_dir(args.output, "--output")  # before the model loads
     if args.figure == "mixing":
         paths = plot_mixing(args.log, args.output)
     else:
-        from .generate import load
+        from .generate import load, pick_template
 
         model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
-        paths = [plot_attention(model, tokenizer, args.prompt, args.output, args.template, args.max_labels)]
+        template, why = pick_template(model, tokenizer, args.template)
+        print(f"bitune plot: {template} template ({why})", file=sys.stderr)
+        paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]
     for p in paths:
         print(f"bitune plot: wrote {p}")
     return 0

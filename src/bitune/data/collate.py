@@ -4,7 +4,10 @@ The model takes the full prompt and the answer apart: ``prompt_ids`` (B, P) left
 ``answer_ids`` (B, A) right-padded, each with a mask (1 = real token). The model itself moves
 the prompt's last token into the answer pass, so here a prompt is tokenized whole, with the
 tokenizer's special tokens (a BOS where it adds one), and an answer without special tokens,
-followed by the eos token. Samples longer than ``max_length`` are dropped, never truncated.
+followed by the eos token. A conversation (:class:`~bitune.data.conversations.ChatExample`) is
+rendered with the chat template instead: its prompt carries the template's own special tokens and
+its answer ends with the template's end-of-turn token. Samples longer than ``max_length`` are
+dropped, never truncated.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import BituneError
+from .conversations import ChatExample, chat_token_ids, end_of_turn_id
 from .templates import Example
 
 if TYPE_CHECKING:
@@ -28,23 +32,24 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.eos_token_id
 
 
-def _pack(prompt_ids: list[int], answer_ids: list[int], eos: int, max_length: int, example: Example) -> dict | None:
+def _pack(prompt_ids: list[int], answer_ids: list[int], max_length: int,
+          example: Example | ChatExample) -> dict | None:
+    """The sample of ``example`` (``answer_ids`` already end with eos or end-of-turn), or None if too long."""
     if len(prompt_ids) < 2:
-        raise BituneError(
-            f"example {example.id}: prompt {example.prompt!r} has {len(prompt_ids)} token(s), at least 2 are needed"
-        )
-    answer_ids = [*answer_ids, eos]
+        text = example.messages[:-1] if isinstance(example, ChatExample) else example.prompt
+        raise BituneError(f"example {example.id}: prompt {text!r} has {len(prompt_ids)} token(s), at least 2 are needed")
     if len(prompt_ids) + len(answer_ids) > max_length:
         return None
     return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}
 
 
-def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example, max_length: int = 512) -> dict | None:
+def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example | ChatExample,
+                     max_length: int = 512) -> dict | None:
     """Tokenize one example into prompt and answer token ids.
 
     Args:
         tokenizer: The model's tokenizer.
-        example: Prompt and answer text.
+        example: Prompt and answer text, or a conversation (its answer then ends with the end-of-turn token).
         max_length: Longest allowed prompt + answer (eos included), in tokens. Default 512.
 
     Returns:
@@ -52,25 +57,34 @@ def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example, max_l
         than ``max_length`` (it is dropped, not truncated).
 
     Raises:
-        BituneError: The prompt is shorter than 2 tokens, or the tokenizer has no eos token.
+        BituneError: The prompt is shorter than 2 tokens, the tokenizer has no eos token, or (conversations) no
+            chat template that renders it (see :mod:`bitune.data.conversations`).
     """
+    if isinstance(example, ChatExample):
+        return _pack(*chat_token_ids(tokenizer, example), max_length, example)
     prompt_ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"]
     answer_ids = tokenizer(example.answer, add_special_tokens=False)["input_ids"]
-    return _pack(prompt_ids, answer_ids, _eos_id(tokenizer), max_length, example)
+    return _pack(prompt_ids, [*answer_ids, _eos_id(tokenizer)], max_length, example)
 
 
 def tokenize_dataset(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], max_length: int = 512
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example | ChatExample], max_length: int = 512
 ) -> tuple[list[dict], int]:
     """Tokenize many examples at once (same result as :func:`tokenize_example` on each).
 
     Returns:
         ``(samples, n_dropped)``: the samples that fit in ``max_length``, in order, and how many did not.
     """
+    if any(isinstance(e, ChatExample) for e in examples):
+        eot = end_of_turn_id(tokenizer)
+        packed = [_pack(*chat_token_ids(tokenizer, e, eot), max_length, e) if isinstance(e, ChatExample)
+                  else tokenize_example(tokenizer, e, max_length) for e in examples]
+        kept = [s for s in packed if s is not None]
+        return kept, len(packed) - len(kept)
     eos = _eos_id(tokenizer)
     prompts = tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"] if examples else []
     answers = tokenizer([e.answer for e in examples], add_special_tokens=False)["input_ids"] if examples else []
-    packed = [_pack(p, a, eos, max_length, e) for p, a, e in zip(prompts, answers, examples)]
+    packed = [_pack(p, [*a, eos], max_length, e) for p, a, e in zip(prompts, answers, examples)]
     kept = [s for s in packed if s is not None]
     return kept, len(packed) - len(kept)
 

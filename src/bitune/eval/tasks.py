@@ -4,10 +4,14 @@ lm-eval's built-in tasks download from the Hugging Face hub; these read the pack
 paper's templates (:mod:`bitune.data.templates`) and evaluation splits (``DATASETS[name].eval_split``), zero-shot:
 
 * ``bitune_piqa``, ``bitune_arc_challenge``, ``bitune_arc_easy``, ``bitune_csqa``, ``bitune_siqa``,
-  ``bitune_mmlu``: log-likelihood multiple choice over ``Example.choices`` (each starts with a space, so the
-  target delimiter is empty); metrics ``acc`` and ``acc_norm`` (log-likelihood divided by the choice's length in
-  bytes, lm-eval's definition). ``bitune_mmlu`` holds every subject's test questions in one task, so its ``acc``
-  is the question-weighted aggregate over subjects, which is what lm-eval's ``mmlu`` group reports.
+  ``bitune_mmlu``: log-likelihood multiple choice over ``Example.choices``. Those start with a space; the tasks
+  hold them without it and put the space in the target delimiter, as lm-eval's own tasks do, so each scored
+  continuation is still ``" " + choice`` while ``acc_norm`` (log-likelihood divided by the choice's length in
+  characters, without the delimiter: lm-eval's definition; its byte-normalised metric is ``acc_bytes``) divides by
+  the choice text's own length. Metrics ``acc`` and ``acc_norm``. With a chat template (``bitune eval --template
+  chat``) lm-eval drops the delimiter: the choice then follows the generation prompt directly, as a chat answer
+  does in training. ``bitune_mmlu`` holds every subject's test questions in one task, so its ``acc`` is the
+  question-weighted aggregate over subjects, which is what lm-eval's ``mmlu`` group reports.
 * ``bitune_gsm8k``: greedy generation until ``"Question:"`` or eos (at most 256 new tokens); ``exact_match_strict``
   compares the number after ``####`` with the reference, ``exact_match_flexible`` the last number in the text.
 
@@ -39,6 +43,8 @@ PREFIX = "bitune_"
 """lm-eval task names are ``bitune_<benchmark>``, apart from lm-eval's own hub-backed tasks."""
 TASK_DIR = Path(__file__).with_name("lm_tasks")
 """YAML task files for lm-eval's ``--include_path``."""
+MC_DELIMITER = " "
+"""Written between a multiple-choice prompt and each choice (lm-eval's default ``target_delimiter``)."""
 GSM8K_MAX_NEW_TOKENS = 256
 GSM8K_STOP = ["Question:"]
 
@@ -93,9 +99,17 @@ def _load_docs(benchmark: str, **_) -> dict:
     from ..data.datasets import DATASETS, load_examples
 
     split = DATASETS[benchmark].eval_split
-    docs = [{"prompt": e.prompt, "answer": e.answer, "choices": e.choices or [], "gold": e.gold or 0,
-             "id": e.id or str(i), "target": e.target or ""} for i, e in enumerate(load_examples(benchmark, split))]
+    docs = [{"prompt": e.prompt, "answer": e.answer, "choices": [_unspaced(c, e.id) for c in e.choices or []],
+             "gold": e.gold or 0, "id": e.id or str(i), "target": e.target or ""}
+            for i, e in enumerate(load_examples(benchmark, split))]
     return {"test": datasets.Dataset.from_list(docs)}
+
+
+def _unspaced(choice: str, id: str | None) -> str:
+    """A choice without the leading space the templates give it (the task's target delimiter writes it)."""
+    if not choice.startswith(MC_DELIMITER):
+        raise BituneError(f"question {id}: choice {choice!r} does not start with {MC_DELIMITER!r}")
+    return choice[len(MC_DELIMITER):]
 
 
 def _prompt(doc: dict) -> str:
@@ -122,7 +136,7 @@ def task_config(name: str) -> dict:
                   test_split="test", doc_to_text=_prompt, num_fewshot=0, metadata={"version": 1.0})
     if TASKS[benchmark] == "multiple_choice":
         return dict(common, output_type="multiple_choice", doc_to_choice=_choices, doc_to_target=_gold,
-                    target_delimiter="", metric_list=[
+                    target_delimiter=MC_DELIMITER, metric_list=[
                         {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                         {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}])
     return dict(common, output_type="generate_until", doc_to_target=_answer, target_delimiter="",

@@ -58,6 +58,7 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
 
 def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], overwrite: bool) -> TrainResult:
     from ..data.collate import Collator
+    from ..data.datasets import dataset_template
     from ..hub import load_model
 
     if settings.bitune.variant == "pretrained":
@@ -72,7 +73,9 @@ def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], ov
     if settings.eval_split is not None:
         eval_data, _ = load_data(settings, tokenizer, settings.eval_split, settings.eval_limit, say)
     transformers.set_seed(settings.seed)  # adapter init depends on it
-    config = dataclasses.replace(settings.bitune, base_model=settings.model)
+    config = dataclasses.replace(settings.bitune, base_model=settings.model,
+                                 template=dataset_template(settings.dataset))  # generate/chat/eval reuse it
+    say(f"bitune train: {config.template} template (the format of {settings.dataset}; recorded in the checkpoint)")
     model = BituneModel.wrap(base, config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad))

@@ -127,6 +127,9 @@ class TrainSettings:
         if self.bitune.base_model is not None and self.bitune.base_model != self.model:
             raise BituneError(f"bitune.base_model={self.bitune.base_model!r} differs from model={self.model!r}; "
                               "leave bitune.base_model unset (it is filled in from model)")
+        if self.bitune.template is not None:
+            raise BituneError(f"bitune.template={self.bitune.template!r}: the template is recorded from the dataset's "
+                              "format (paper for named datasets; a file's rows decide); leave it unset")
         if not self.output_dir:
             raise BituneError("output_dir must be a folder path")
         self.output_dir = self._fill(self.output_dir)
