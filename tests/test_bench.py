@@ -47,3 +47,20 @@ def test_bench_rejects_impossible_counts(capsys):
     assert "--steps >= 1" in capsys.readouterr().err
     assert main(["bench", "train", "--threads", "-1"]) == 2
     assert "--threads -1" in capsys.readouterr().err
+
+
+def test_bench_data_runs_on_a_config_and_reports_real_token_rates(tmp_path):
+    save_checkpoint(tmp_path)
+    rows = [{"instruction": "w " * (2 + 5 * (i % 7)), "output": "x " * (1 + 3 * (i % 4))} for i in range(40)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tmp_path / 'base'}\ndataset: {data}\nbatch_size: 4\nmax_length: 120\n")
+    out = tmp_path / "data.json"
+    assert main(["bench", "data", "--config", str(config), "--steps", "2", "--output", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["batch_size"] == 4 and r["steps"] == 2 and r["real_tokens"] > 0
+    assert 1 < r["flop_ratio"] < 2 and r["time_ratio"] > 0
+    assert r["padding_share"]["grouped"] < r["padding_share"]["random"]
+    assert set(r["tokens_per_s"]) == {"lora", "bitune"}
+    assert main(["bench", "data", "--config", str(config), "--steps", "30"]) == 2  # 31 batches of 4 > 40 rows

@@ -71,6 +71,7 @@ def test_ddp_is_told_there_are_no_unused_parameters():
     assert args.ddp_find_unused_parameters is False
 
 
+@pytest.mark.slow
 def test_every_variant_trains_under_two_gloo_processes(tmp_path):
     """Two optimizer steps each: an unused parameter would stop DDP at the second step."""
     specs = [f"{v}:lora" for v in TRAINABLE] + ["bitune:dora", "bitune:ia3", "bitune:full", "lora:full"]
@@ -95,6 +96,7 @@ def test_loss_is_the_example_mean(tmp_path):
     assert abs(loss - token_mean) > 1e-4  # and differs from the token mean on these mixed lengths
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_process):
     """2 processes x batch 2 x accumulation 2 == 1 process x batch 4 x accumulation 2, to 1e-5, although the
     ranks hold different answer-token counts; logs, checkpoints and final/ are written once."""
@@ -110,6 +112,7 @@ def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_pro
     assert len(list((run / "tensorboard").iterdir())) == 1  # one writer
 
 
+@pytest.mark.slow
 def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
     run = tmp_path / "run"
     job = torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--interrupt-at", "3")
@@ -126,6 +129,7 @@ def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
 
 
 # ------------------------------------------------------------------------------------------- launching
+@pytest.mark.slow
 def test_cli_num_processes_trains_data_parallel(tmp_path):
     """``bitune train --num-processes 2`` on a local tiny model and a JSONL file, end to end."""
     from eval_helpers import tiny_tokenizer

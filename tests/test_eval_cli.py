@@ -91,6 +91,21 @@ def test_sweep_parses_methods():
         parse_methods("lora,prefix_tuning")
 
 
+def test_sweep_method_files_are_overlays_labelled_by_name():
+    from pathlib import Path
+
+    from bitune.eval.sweep import parse_methods
+    from bitune.train import load_settings
+
+    root = Path(__file__).resolve().parents[1]
+    (method,) = parse_methods(str(root / "configs/methods/bitune_clip_adapters.yaml"))
+    assert (method.label, method.variant, method.overrides()) == ("bitune_clip_adapters", "bitune", [])
+    settings = load_settings(method.configs(str(root / "configs/study/arc_challenge.yaml")), ["seed=43"])
+    assert (settings.clip, settings.bitune.variant, settings.batch_size, settings.lr) == ("adapters", "bitune", 10,
+                                                                                          1e-3)
+
+
+@pytest.mark.slow
 def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "load_examples", fake_examples)
     rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]

@@ -151,3 +151,22 @@ def test_several_inputs_need_an_output_folder(tmp_path, capsys):
         write_runs(tmp_path / name, [paired_record("lora", 42, [1, 0])])
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "--output" in capsys.readouterr().err
+
+
+def test_embed_replaces_only_the_marked_block(tmp_path, capsys):
+    from bitune.eval.report import EMBED_BEGIN, EMBED_END
+
+    runs = tmp_path / "r"
+    write_runs(runs, [paired_record("lora", 42, [1, 0] * 10), paired_record("bitune", 42, [1, 1] * 10)])
+    doc = tmp_path / "README.md"
+    doc.write_text(f"# Study\n\nBefore.\n\n{EMBED_BEGIN}\nold table\n{EMBED_END}\n\nAfter.\n")
+    assert main(["report", str(runs), "--embed", str(doc), "--no-figure"]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Study\n\nBefore.\n\n") and text.endswith(f"{EMBED_END}\n\nAfter.\n")
+    assert "old table" not in text and "### Report: ARC-C: acc" in text and "| ARC-C | 20 | bitune | lora |" in text
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers\n")
+    (runs / "report.md").unlink()
+    assert main(["report", str(runs), "--embed", str(plain)]) == 2
+    assert "begin" in capsys.readouterr().err and plain.read_text() == "no markers\n"
+    assert not (runs / "report.md").exists()  # nothing written when an --embed target is unusable

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .files import write_text_atomic
+from .files import check_output_file, write_text_atomic
 
 HELP = "benchmark training and generation speed/memory against LoRA"
 
@@ -38,7 +38,14 @@ def configure(parser) -> None:
     ge.add_argument("--new-tokens", type=int, default=64, help="generated tokens (the paper: 2000 on a GPU)")
     ge.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     ge.add_argument("--output", default=None, help="also write the results as JSON here")
-    for p in (tr, ge):
+    da = sub.add_parser("data", help="training throughput on a config's real data, Bitune vs LoRA")
+    da.add_argument("--config", action="append", required=True, metavar="FILE.yaml",
+                    help="training config (as for 'bitune train'; repeat to merge): its model, dataset, batch size")
+    da.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting, e.g. --set batch_size=8")
+    da.add_argument("--steps", type=int, default=6, help="timed optimizer steps per method (after 1 warm-up)")
+    da.add_argument("--output", default=None, help="also write the results as JSON here")
+    for p in (tr, ge, da):
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -53,7 +60,11 @@ def run(args) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: needs a positive number of threads")
         torch.set_num_threads(args.threads)
-    result = bench_train(args) if args.bench == "train" else bench_generate(args)
+    if args.bench == "data" and args.steps < 1:
+        raise ValueError("bench data needs --steps >= 1")
+    if args.output:
+        check_output_file(args.output, "--output")  # before the benchmark runs
+    result = {"train": bench_train, "generate": bench_generate, "data": bench_data}[args.bench](args)
     if args.output:
         write_text_atomic(Path(args.output), json.dumps(result, indent=2))
     return 0
@@ -282,3 +293,77 @@ def bench_generate(args) -> dict:
                     f"{summary[f'decode_ratio_{other}']:.3f}x. Targets: prefill <= 2.05x, decode >= 0.97x.")
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}
+
+
+# ----------------------------------------------------------------------------------------------- real data
+def bench_data(args) -> dict:
+    """Optimizer steps of LoRA and Bitune on a training config's own data and batch size, interleaved.
+
+    Batches come in the trainer's length-grouped order (the first ``steps + 1`` batches of epoch 0). Reports
+    real (non-padding) prompt + answer tokens per second for each method, their time ratio next to the FLOP ratio
+    of the same real lengths, sum(2 P + A) / sum(P + A), and the padding share of a whole epoch with and without
+    grouping.
+    """
+    import transformers
+
+    from .config import BituneConfig
+    from .data.collate import Collator
+    from .data.sampling import grouped_order, padding_share
+    from .hub import load_model
+    from .model import BituneModel
+    from .train import load_settings
+    from .train.recipe import load_data
+
+    settings = load_settings(args.config, args.overrides)
+    device, dtype = _device_dtype(args.dtype)
+    base, tokenizer = load_model(settings.model, dtype=dtype)
+    data, _ = load_data(settings, tokenizer, settings.train_split, settings.limit)
+    B = settings.batch_size
+    lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in data]
+    g = torch.Generator().manual_seed(settings.seed)
+    grouped = grouped_order(lengths, B, torch.Generator().manual_seed(settings.seed))
+    shuffled = torch.randperm(len(data), generator=g).tolist()
+    need = (args.steps + 1) * B
+    if len(grouped) < need:
+        raise ValueError(f"{settings.dataset} has {len(grouped)} examples; {args.steps} + 1 steps of batch {B} "
+                         f"need {need}: lower --steps")
+    collate = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    batches = [[t.to(device) for t in collate([data[j] for j in grouped[i * B:(i + 1) * B]]).values()]
+               for i in range(args.steps + 1)]
+    models = {}
+    for variant in ("lora", "bitune"):
+        transformers.set_seed(settings.seed)
+        config = BituneConfig(**{**settings.bitune.to_dict(), "variant": variant, "base_model": settings.model})
+        fresh = base if not models else load_model(settings.model, dtype=dtype)[0]
+        models[variant] = BituneModel.wrap(fresh.to(device), config).train()
+    opts = {v: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for v, m in models.items()}
+    times = {v: [] for v in models}
+    for i, batch in enumerate(batches):
+        for v, model in models.items():  # interleaved: drift hits both alike
+            seconds, _ = _step(model, opts[v], batch, device)
+            if i:
+                times[v].append(seconds)
+    timed = [j for i in range(1, args.steps + 1) for j in grouped[i * B:(i + 1) * B]]
+    real = sum(lengths[j][0] + lengths[j][1] for j in timed)
+    flop = sum(2 * lengths[j][0] + lengths[j][1] for j in timed) / real
+    total = {v: sum(t) for v, t in times.items()}
+    result = {"model": settings.model, "dataset": settings.dataset, "batch_size": B, "steps": args.steps,
+              "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
+              "real_tokens": real, "tokens_per_s": {v: real / total[v] for v in models},
+              "time_ratio": total["bitune"] / total["lora"], "flop_ratio": flop,
+              "padding_share": {"grouped": padding_share(lengths, grouped, B),
+                                "random": padding_share(lengths, shuffled, B),
+                                "grouped_one_pass": padding_share(lengths, grouped, B, prompt_passes=1),
+                                "random_one_pass": padding_share(lengths, shuffled, B, prompt_passes=1)}}
+    result["time_over_flop_ratio"] = result["time_ratio"] / flop
+    from rich.console import Console
+
+    pad = result["padding_share"]
+    Console().print(
+        f"{settings.model} on {settings.dataset}, batch {B}, {args.steps} steps each, {device.type}, "
+        f"{result['threads']} threads: LoRA {result['tokens_per_s']['lora']:.0f} real tokens/s, Bitune "
+        f"{result['tokens_per_s']['bitune']:.0f}; time ratio {result['time_ratio']:.2f}x, FLOP ratio of the real "
+        f"lengths {flop:.2f}x, time / FLOP ratio {result['time_over_flop_ratio']:.2f} (target <= 1.05). Padding "
+        f"share of an epoch (two prompt passes): grouped {100 * pad['grouped']:.1f}%, random "
+        f"{100 * pad['random']:.1f}% (target <= 10% grouped).")
+    return result

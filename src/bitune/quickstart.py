@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from .config import BituneConfig
 from .errors import BituneError
-from .files import write_text_atomic
+from .files import check_output_dir, write_text_atomic
 
 HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them (a smoke test)"
 MODEL = "smollm2-135m"
@@ -31,7 +32,7 @@ STUDY = "results/smollm2-arc-csqa/README.md"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .cli import HelpFormatter
+    from .cli import HelpFormatter, add_threads_option
 
     parser.formatter_class = HelpFormatter
     parser.description = (f"{HELP}. Example:\n  bitune quickstart --threads 2\nThe evidence (3 seeds, full "
@@ -46,6 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=42, help="seed of adapter init and data order")
     parser.add_argument("--output-dir", default=None,
                         help="where runs and quickstart.json go (default: runs/quickstart-<time>)")
+    add_threads_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise BituneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     out = Path(args.output_dir or f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
+    check_output_dir(out, "--output-dir")
     if out.exists() and any(out.iterdir()):
         raise BituneError(f"{out} is not empty; choose another --output-dir")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise BituneError(f"--lr {args.lr}: must be a finite number > 0")
     result = quickstart(out, steps=args.steps, train_examples=args.train_examples,
                         eval_examples=args.eval_examples, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
     print_table(result)

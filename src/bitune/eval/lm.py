@@ -185,8 +185,7 @@ class BituneLM(TemplateLM):
             long_ = [c for c, ctx in enumerate(chunk) if len(ctx) >= 2]
             prefill = self.model.prefill(*self._left_pad([list(chunk[c]) for c in long_])) if long_ else None
             slot = {c: j for j, c in enumerate(long_)}
-            for r in range(0, len(rows), self.batch_size):
-                part = rows[r:r + self.batch_size]
+            for part in self._answer_batches(rows, conts):  # every choice of the chunk, in few answer passes
                 short = [(c, i) for c, i in part if c not in slot]
                 full = [(c, i) for c, i in part if c in slot]
                 if full:
@@ -199,6 +198,28 @@ class BituneLM(TemplateLM):
                 pbar.update(len(part))
         pbar.close()
         return results
+
+    ANSWER_TOKENS = 2048
+    """Most answer positions (rows x longest continuation) scored in one answer pass: bounds the (rows, A, V)
+    logits (400 MB in float32 for a 49k vocabulary)."""
+
+    def _answer_batches(self, rows: list[tuple[int, int]], conts: list[list[int]]) -> list[list[tuple[int, int]]]:
+        """Split a chunk's (context, request) rows into answer passes of at most ``ANSWER_TOKENS`` positions.
+
+        All continuations of ``batch_size`` contexts usually fit in one pass (e.g. 8 ARC questions x 4 choices):
+        one forward instead of one per ``batch_size`` rows.
+        """
+        batches: list[list[tuple[int, int]]] = []
+        longest = 0
+        for row in rows:
+            n = len(conts[row[1]])
+            if batches and max(longest, n) * (len(batches[-1]) + 1) <= max(self.ANSWER_TOKENS, n):
+                batches[-1].append(row)
+                longest = max(longest, n)
+            else:
+                batches.append([row])
+                longest = n
+        return batches
 
     def _score_causal(self, results, items, conts) -> None:
         """One-token contexts: the prefill is empty, so the answer pass is a plain causal forward (causal weights)."""

@@ -100,7 +100,10 @@ class BituneTrainer(Trainer):
         from ..data.sampling import LengthGroupedSampler
 
         lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in dataset]
-        return LengthGroupedSampler(lengths, self.args.per_device_train_batch_size, seed=self.args.data_seed)
+        # Grouped by the global batch: accelerate hands consecutive per-process batches to processes 0..N-1, so
+        # N processes take the same examples per step as one process with batch N x batch_size.
+        group = self.args.per_device_train_batch_size * self.args.world_size
+        return LengthGroupedSampler(lengths, group, seed=self.args.data_seed)
 
     # ----------------------------------------------------------------------------------- gradient norm / clipping
     def _grad_groups(self) -> dict[str, list[torch.Tensor]]:
