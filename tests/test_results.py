@@ -24,3 +24,12 @@ def test_report_reproduces_from_the_committed_eval_files(study):
     assert tasks, "the committed runs carry per-question results"
     for task in tasks.values():
         assert task.limit is None  # evaluated on the full split
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
+def test_study_readme_shows_exactly_the_committed_report(study):
+    from bitune.eval.report import EMBED_BEGIN, EMBED_END, embedded
+
+    text = (study / "README.md").read_text(encoding="utf-8")
+    block = text[text.index(EMBED_BEGIN) + len(EMBED_BEGIN):text.index(EMBED_END)]
+    assert block == "\n" + embedded((study / "report.md").read_text(encoding="utf-8"))
