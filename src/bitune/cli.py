@@ -18,6 +18,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """Keeps a verb's description (examples) as written and shows each option's default once (none shown
     for unset options, flags, or help that already says its default)."""
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Prose lines are wrapped to the terminal; indented lines (examples, lists) stay exactly as written."""
+        import textwrap
+
+        out = []
+        for line in text.splitlines():
+            if line[:1].isspace() or len(line) <= width:
+                out.append(indent + line)
+            else:
+                out += textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent,
+                                     break_on_hyphens=False)
+        return "\n".join(out)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
         if action.default in (None, False, [], argparse.SUPPRESS) or "default" in help_text:
@@ -29,7 +42,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "quickstart": ("bitune.quickstart", "fine-tune LoRA and Bitune on a small real task offline and compare them"),
     "train": ("bitune.train.cli", "train a Bitune model or a baseline from a YAML config"),
     "eval": ("bitune.eval.cli", "evaluate a checkpoint or base model with lm-evaluation-harness"),
-    "report": ("bitune.eval.report", "aggregate evaluation runs over seeds into the paper's table"),
+    "report": ("bitune.eval.report", "aggregate evaluation runs: the paper's table, intervals, paired differences"),
     "sweep": ("bitune.eval.sweep", "train and evaluate methods x seeds, then report"),
     "generate": ("bitune.generate", "generate answers from a checkpoint"),
     "chat": ("bitune.chat", "multi-turn chat with a checkpoint in the terminal"),

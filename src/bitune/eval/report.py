@@ -47,9 +47,13 @@ def method_key(label: str) -> tuple[int, str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Aggregate eval JSONs (written by 'bitune eval') over seeds: mean ± sample std (ddof=1) "
-                          "per method and task, in percent, plus the average over tasks. Example:\n"
-                          "  bitune report runs/sweep   (finds every eval.json below)")
+    parser.description = ("Aggregate eval JSONs (written by 'bitune eval' / 'bitune sweep') over seeds:\n"
+                          "  - mean ± sample std (ddof=1) per method and task, in percent, and the average;\n"
+                          "  - each accuracy with a 95% bootstrap interval over questions;\n"
+                          "  - each method's paired per-question difference to the baselines (bootstrap\n"
+                          "    interval, exact McNemar p per seed); n and --limit in every table;\n"
+                          "  - a figure (report.png): accuracy per method with intervals, seeds as points.\n"
+                          "Example:\n  bitune report runs/sweep   (finds every eval.json below; writes there)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="eval JSON files or folders searched for eval.json")
     parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"),
                         help="multiple-choice metric to tabulate")
