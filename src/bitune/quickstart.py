@@ -156,9 +156,9 @@ def print_table(result: dict) -> None:
     n = result["eval_examples"]
     table = Table(title=f"{result['model']} on {result['task']}: first {n} test questions, "
                         f"{result['steps']} steps x batch {result['batch_size']}, seed {result['seed']}")
-    for col in ("model", "n", "acc [95% CI]", "vs LoRA, points [95% CI]", "McNemar p", "train", "eval"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    names = {"pretrained": "pretrained (no training)", "lora": "LoRA r8 (baseline)", "bitune": "Bitune (LoRA r8)"}
+    for col in ("model", "n", "acc % [95% CI]", "Δ vs LoRA [95% CI]", "McNemar p", "train", "eval"):
+        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
+    names = {"pretrained": "pretrained", "lora": "LoRA r8", "bitune": "Bitune r8"}
     for variant, r in result["results"].items():
         vs = r.get("vs_lora")
         table.add_row(names[variant], str(r["n"]),
@@ -166,6 +166,6 @@ def print_table(result: dict) -> None:
                       f"{100 * vs['diff']:+.1f} [{100 * vs['ci'][0]:+.1f}, {100 * vs['ci'][1]:+.1f}]" if vs else "-",
                       f"{vs['mcnemar_p']:.3g}" if vs else "-",
                       f"{r['train_s']:.0f}s" if variant != "pretrained" else "-", f"{r['eval_s']:.0f}s")
-    Console().print(table)
+    Console(width=max(100, Console().width)).print(table)
     print(f"A smoke test (one seed, {result['steps']} steps), not a result: the evidence is the study in {STUDY}.")
     print(f"total wall time {result['total_s'] / 60:.1f} min on {result['threads']} threads")
