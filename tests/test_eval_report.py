@@ -170,3 +170,17 @@ def test_embed_replaces_only_the_marked_block(tmp_path, capsys):
     assert main(["report", str(runs), "--embed", str(plain)]) == 2
     assert "begin" in capsys.readouterr().err and plain.read_text() == "no markers\n"
     assert not (runs / "report.md").exists()  # nothing written when an --embed target is unusable
+
+
+def test_runs_trained_per_task_count_once_per_seed_and_average_over_tasks():
+    recs = [record("lora", 42, 0.70, 0.30), record("lora", 43, 0.74, 0.34)]
+    split = []
+    for r in recs:  # the same runs, as a study that trains per task writes them: one eval JSON per task
+        for task, metrics in r["tasks"].items():
+            split.append({**r, "tasks": {task: metrics}})
+    whole, per_task = aggregate(recs), aggregate(split)
+    assert per_task.runs == whole.runs == {"lora": 2}
+    assert per_task.cells["lora"]["avg"].values == pytest.approx(whole.cells["lora"]["avg"].values)
+    assert per_task.rows() == whole.rows()
+    pretrained = aggregate([record("pretrained", None, 0.6, 0.2)] + [record("pretrained", None, 0.6, 0.2)])
+    assert pretrained.runs == {"pretrained": 2}  # two runs on the same tasks stay two runs

@@ -141,22 +141,31 @@ def metric_of(task: str, metrics: dict, metric: str = "acc", gsm8k_metric: str =
 
 
 def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict") -> Report:
-    """Group eval records by ``label`` and aggregate each task (and the per-run average) over the runs."""
+    """Group eval records by ``label`` and aggregate each task (and the per-run average) over the runs.
+
+    A run is one method and training seed: records of the same label and seed on different tasks (a study that
+    trains per task) are one run, so the average column averages a seed's tasks, and ``seeds`` counts runs.
+    """
     if not records:
         raise BituneError("no eval results to report")
     seen = {t for r in records for t in r["tasks"]}
     tasks = [t for t in TASK_ORDER if t in seen] + sorted(seen - set(TASK_ORDER))
-    cells: dict[str, dict[str, Cell]] = {}
-    runs: dict[str, int] = {}
+    per_run: dict[tuple, dict[str, float]] = {}  # (label, seed, n) -> {task: value}
     for r in records:
-        row = cells.setdefault(r["label"], {t: Cell() for t in [*tasks, AVERAGE]})
-        runs[r["label"]] = runs.get(r["label"], 0) + 1
         values = {t: metric_of(t, m, metric, gsm8k_metric) for t, m in r["tasks"].items()}
+        key = (r["label"], r["config"].get("train_seed"), 0)
+        while key in per_run and set(per_run[key]) & set(values):  # the same task twice: another run
+            key = (*key[:2], key[2] + 1)
+        per_run.setdefault(key, {}).update(values)
+    cells: dict[str, dict[str, Cell]] = {}
+    for (label, _, _), values in per_run.items():
+        row = cells.setdefault(label, {t: Cell() for t in [*tasks, AVERAGE]})
         for t, v in values.items():
             row[t].values.append(v)
         if set(values) == set(tasks):  # the average only over runs that cover every task
             row[AVERAGE].values.append(sum(values.values()) / len(values))
     cells = {m: cells[m] for m in sorted(cells, key=method_key)}
+    runs = {m: max(len(c.values) for t, c in row.items() if t != AVERAGE) for m, row in cells.items()}
     return Report(tasks, cells, runs)
 
 
