@@ -15,8 +15,8 @@ ONE_PASS = ["naive_bidir", "no_mixing"]
 def _pair(arch, variant, method="lora", mode="batched", attn="sdpa"):
     models = []
     for m in ("sequential", mode):
-        cfg = BituneConfig(variant=variant, method=method, prompt_passes=m)
-        models.append(perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg)))
+        cfg = BituneConfig(variant=variant, method=method)
+        models.append(perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg, prompt_passes=m)))
     return models
 
 
@@ -39,7 +39,7 @@ def _assert_same_loss_logits_grads(fast, seq, tensors):
 @pytest.mark.parametrize("variant", TWO_PASS + ONE_PASS)
 def test_fused_forward_equals_sequential(arch, attn, variant):
     seq, fused = _pair(arch, variant, mode="fused", attn=attn)
-    assert fused.fuses and not seq.fuses
+    assert fused.execution() == "fused" and seq.execution() == "sequential"
     tensors = batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window (4) < its prompts
     calls = []
     fused.weights.base.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
@@ -62,11 +62,20 @@ def test_fused_forward_restores_the_attention_implementation_after_an_error(monk
 
 
 def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
-    assert BituneModel.wrap(tiny_model("llama"), BituneConfig()).fuses  # LoRA, the default
+    model = BituneModel.wrap(tiny_model("llama"), BituneConfig())  # LoRA, the default
+    assert (model.execution(), model.execution(answer=False)) == ("fused", "batched")
     for method in ("ia3", "dora", "full"):
         model = BituneModel.wrap(tiny_model("llama"), BituneConfig(method=method))
-        assert not model.fuses, method
-    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="shared_weights", method="ia3")).fuses
+        assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential"), method
+    shared = BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="shared_weights", method="ia3"))
+    assert shared.execution() == "fused"
+    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="lora")).execution() == "single"
+    model = BituneModel.wrap(tiny_model("llama"), BituneConfig(), prompt_passes="batched")
+    assert (model.execution(), model.execution(answer=False)) == ("batched", "batched")
+    model.prompt_passes = "sequential"  # a runtime choice: it can change on a built model
+    assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential")
+    with pytest.raises(ValueError, match="prompt_passes='parallel' is not one of"):
+        model.prompt_passes = "parallel"
 
 
 def test_fused_forward_refuses_gradient_checkpointing():
@@ -112,6 +121,6 @@ def test_methods_that_cannot_route_rows_fall_back_to_sequential():
 def test_fused_equals_sequential_in_bfloat16(arch):
     losses = []
     for mode in ("sequential", "fused"):
-        model = BituneModel.wrap(tiny_model(arch, dtype=torch.bfloat16), BituneConfig(prompt_passes=mode))
+        model = BituneModel.wrap(tiny_model(arch, dtype=torch.bfloat16), BituneConfig(), prompt_passes=mode)
         losses.append(perturb_adapters(model)(*batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))).loss.float())
     torch.testing.assert_close(losses[0], losses[1], atol=5e-3, rtol=0)

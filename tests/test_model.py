@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -198,6 +199,21 @@ def test_save_load_round_trip(tmp_path, method):
     assert torch.equal(model(*tensors).example_loss, loaded(*tensors).example_loss)
 
 
+def test_prompt_passes_is_a_runtime_argument_not_saved_state(tmp_path):
+    model = wrap("llama", "bitune")
+    model.save_pretrained(tmp_path / "ckpt")
+    config_file = tmp_path / "ckpt" / "bitune_config.json"
+    assert "prompt_passes" not in json.loads(config_file.read_text())
+    loaded = BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"), prompt_passes="sequential")
+    assert loaded.prompt_passes == "sequential" and loaded.execution() == "sequential"
+    old = {**json.loads(config_file.read_text()), "prompt_passes": "batched"}  # written before it was an argument
+    config_file.write_text(json.dumps(old))
+    loaded = BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"))
+    assert loaded.config == model.config and loaded.prompt_passes == "auto"
+    tensors = batch()
+    torch.testing.assert_close(loaded(*tensors).loss, model(*tensors).loss, atol=1e-6, rtol=0)
+
+
 def test_causal_adapter_loads_in_plain_peft(tmp_path):
     model = wrap("llama", "bitune")
     model.save_pretrained(tmp_path / "ckpt")
@@ -283,8 +299,10 @@ def test_bad_configs_and_architectures_are_rejected():
         BituneModel.wrap(peft_model)
     with pytest.raises(ValueError, match="'flex_attention' is not supported"):
         BituneModel.wrap(tiny_model("llama", attn="flex_attention"))
-    with pytest.raises(ValueError, match="prompt_passes"):
-        BituneConfig(prompt_passes="parallel")
+    with pytest.raises(ValueError, match="prompt_passes='parallel' is not one of"):
+        BituneModel.wrap(tiny_model("llama"), prompt_passes="parallel")
+    with pytest.raises(ValueError, match="unknown key.*prompt_passes"):  # no longer a model setting
+        BituneConfig.from_dict({"prompt_passes": "fused"})
 
 
 def test_incompatible_or_corrupt_checkpoints_are_rejected(tmp_path):

@@ -16,8 +16,8 @@ TENSORS = dict(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window 
 
 
 def _model(arch, attn, variant, method="lora", path="fused", scale=0.05):
-    cfg = BituneConfig(variant=variant, method=method, prompt_passes=path)
-    return perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg), scale=scale)
+    cfg = BituneConfig(variant=variant, method=method)
+    return perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg, prompt_passes=path), scale=scale)
 
 
 def _loss_and_grads(model, loss_fn, tensors):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 from conftest import EOS, VOCAB, tiny_model
 from dist_helpers import Interrupt
 
@@ -38,7 +39,7 @@ def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), *
     opts.update(overrides)
     settings = TrainSettings.from_dict(opts)
     transformers.set_seed(settings.seed)
-    model = BituneModel.wrap(tiny_model(), settings.bitune)
+    model = BituneModel.wrap(tiny_model(), settings.bitune, prompt_passes=settings.prompt_passes)
     trainer = build_trainer(model, settings, data if data is not None else samples(), None, Collator(0),
                             tensorboard=False)
     for cb in callbacks:
@@ -164,6 +165,23 @@ def test_resume_with_changed_settings_is_refused(tmp_path):
     second, settings = make_trainer(tmp_path, steps=4, lr=1e-3)
     with pytest.raises(BituneError, match=r"\['lr'\]"):
         run_training(second, settings, resume=True)
+
+
+def test_resume_may_change_prompt_passes_also_in_a_run_that_saved_it(tmp_path):
+    first, settings = make_trainer(tmp_path, steps=4, save_every=2, callbacks=[Interrupt(at=3)])
+    with pytest.raises(KeyboardInterrupt):
+        run_training(first, settings)
+    run_dir = tmp_path / "run"
+    saved = yaml.safe_load((run_dir / "settings.yaml").read_text())
+    assert saved["prompt_passes"] == "auto" and "prompt_passes" not in saved["bitune"]
+    saved["bitune"]["prompt_passes"] = saved.pop("prompt_passes")  # how an older version wrote both files
+    (run_dir / "settings.yaml").write_text(yaml.safe_dump(saved))
+    config = run_dir / "checkpoint-2" / "bitune_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prompt_passes": "fused"}))
+    second, settings = make_trainer(tmp_path, steps=4, save_every=2, prompt_passes="sequential")
+    assert second.model.execution() == "sequential"
+    run_training(second, settings, resume=True)
+    assert "prompt_passes" not in json.loads((run_dir / "final" / "bitune_config.json").read_text())
 
 
 def test_pretrained_variant_cannot_train(tmp_path):

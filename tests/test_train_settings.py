@@ -26,6 +26,18 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert s.output_dir == "out/lora-r16"
 
 
+def test_prompt_passes_is_a_run_setting_also_read_from_the_old_bitune_section(tmp_path):
+    assert load_settings(None, ["prompt_passes=sequential"]).prompt_passes == "sequential"
+    old = write(tmp_path / "old.yaml", "bitune:\n  variant: bitune\n  prompt_passes: batched\n")
+    s = load_settings(old)
+    assert s.prompt_passes == "batched" and "prompt_passes" not in s.to_dict()["bitune"]
+    assert TrainSettings.from_dict({"bitune": {"prompt_passes": "fused"}}).prompt_passes == "fused"
+    with pytest.raises(BituneError, match="bitune.prompt_passes='batched' and prompt_passes='fused' disagree"):
+        load_settings(old, ["prompt_passes=fused"])
+    with pytest.raises(BituneError, match="prompt_passes='parallel' is not one of"):
+        load_settings(None, ["prompt_passes=parallel"])
+
+
 def test_extends_merges_sections(tmp_path):
     write(tmp_path / "base.yaml", "lr: 0.1\nsteps: 7\nbitune:\n  rank: 4\n  theta_init: 0.1\n")
     child = write(tmp_path / "child.yaml", "extends: base.yaml\nsteps: 9\nbitune:\n  rank: 2\n")

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .files import check_output_file, write_text_atomic
+from .hub import DEFAULT_MODEL
 
 HELP = "benchmark training and generation speed/memory against LoRA"
 
@@ -27,13 +28,13 @@ HELP = "benchmark training and generation speed/memory against LoRA"
 def configure(parser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
     tr = sub.add_parser("train", help="training step time and peak memory, Bitune vs LoRA")
-    tr.add_argument("--model", default="smollm2-135m", help="built-in name, hub id or local folder")
+    tr.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
     tr.add_argument("--lengths", default="64:64,256:64", help="comma-separated PROMPT:ANSWER token lengths")
     tr.add_argument("--batch-size", type=int, default=1, help="examples per step")
     tr.add_argument("--steps", type=int, default=3, help="timed steps per method and length (after 1 warm-up)")
     tr.add_argument("--output", default=None, help="also write the results as JSON here")
     ge = sub.add_parser("generate", help="prefill a long prompt and generate N tokens (paper Table 4)")
-    ge.add_argument("--model", default="smollm2-135m", help="built-in name, hub id or local folder")
+    ge.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
     ge.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (the paper: 2000 on a GPU)")
     ge.add_argument("--new-tokens", type=int, default=64, help="generated tokens (the paper: 2000 on a GPU)")
     ge.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
@@ -177,7 +178,7 @@ def bench_train(args) -> dict:
     paths = ("fused", "batched", "sequential")
     lora = _build(args.model, "lora", device, dtype)[0]
     bitune = _build(args.model, "bitune", device, dtype)[0]  # one model, its passes run each of the three ways
-    default = "bitune_fused" if bitune.fuses else "bitune_sequential"  # what "auto" trains with
+    default = f"bitune_{bitune.execution()}"  # what prompt_passes="auto" trains with
     runs = {"lora": (lora, None), **{f"bitune_{p}": (bitune, p) for p in paths}}
     opts = {id(m): torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for m in (lora, bitune)}
     vocab = lora.text_config.vocab_size
@@ -189,7 +190,7 @@ def bench_train(args) -> dict:
         for i in range(args.steps + 1):
             for name, (model, passes) in runs.items():  # interleaved: drift hits every method alike
                 if passes:
-                    model.config.prompt_passes = passes
+                    model.prompt_passes = passes
                 seconds, mem = _step(model, opts[id(model)], batch, device)
                 if i:
                     times[name].append(seconds)
@@ -240,7 +241,7 @@ def bench_generate(args) -> dict:
 
     def bitune_generate(passes):
         def run(n, streamer):
-            bitune.config.prompt_passes = passes  # same weights, prompt read batched or sequentially
+            bitune.prompt_passes = passes  # same weights, prompt read batched or sequentially
             return bitune.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
         return run
 
@@ -254,7 +255,7 @@ def bench_generate(args) -> dict:
 
     runners = {"bitune_batched": bitune_generate("batched"), "bitune_sequential": bitune_generate("sequential"),
                "lora": lora_generate, "base": base_generate}
-    default = "bitune_batched" if bitune.weights.can_route_rows(["causal", "bidir"]) else "bitune_sequential"
+    default = f"bitune_{bitune.execution(answer=False)}"  # what prompt_passes="auto" reads prompts with
     for fn in runners.values():
         fn(2, None)  # warm-up
     samples = {name: [] for name in runners}
@@ -307,7 +308,7 @@ def bench_data(args) -> dict:
     import transformers
 
     from .config import BituneConfig
-    from .data.collate import Collator
+    from .data.collate import Collator, pad_id
     from .data.sampling import grouped_order, padding_share
     from .hub import load_model
     from .model import BituneModel
@@ -327,7 +328,7 @@ def bench_data(args) -> dict:
     if len(grouped) < need:
         raise ValueError(f"{settings.dataset} has {len(grouped)} examples; {args.steps} + 1 steps of batch {B} "
                          f"need {need}: lower --steps")
-    collate = Collator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    collate = Collator(pad_id(tokenizer))
     batches = [[t.to(device) for t in collate([data[j] for j in grouped[i * B:(i + 1) * B]]).values()]
                for i in range(args.steps + 1)]
     models = {}
@@ -335,7 +336,7 @@ def bench_data(args) -> dict:
         transformers.set_seed(settings.seed)
         config = BituneConfig(**{**settings.bitune.to_dict(), "variant": variant, "base_model": settings.model})
         fresh = base if not models else load_model(settings.model, dtype=dtype)[0]
-        models[variant] = BituneModel.wrap(fresh.to(device), config).train()
+        models[variant] = BituneModel.wrap(fresh.to(device), config, settings.prompt_passes).train()
     opts = {v: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for v, m in models.items()}
     times = {v: [] for v in models}
     for i, batch in enumerate(batches):

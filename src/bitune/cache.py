@@ -128,11 +128,6 @@ def extendable_copy(cache, config, rows: torch.Tensor, stop_after_layer: int | N
     return out
 
 
-def length(cache) -> int:
-    """Number of cached positions (full-attention layers)."""
-    return cache.get_seq_length() if cache is not None else 0
-
-
 def detach_stop(cache) -> None:
     """Turn a prompt cache into an ordinary cache that the answer pass can extend."""
     if isinstance(cache, PromptCache):

@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 
 from .cli import HelpFormatter
+from .data.collate import pad_id
 from .errors import BituneError
 from .files import check_output_file, check_text, write_text_atomic
 from .generate import StopStreamer, add_model_options, answer_room, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
-    pad_left, paper_prompt, pick_template, sampling_options
+    pad_prompts, paper_prompt, pick_template, sampling_options
 
 HELP = "multi-turn chat with a checkpoint in the terminal"
 MODES = ("recompute", "alternating")
@@ -74,7 +75,7 @@ class Conversation:
         self.stops = [*(stop or []), *([PAPER_STOP] if template == "paper" else [])]
         self.eos_ids = end_of_turn_ids(tokenizer, model, template)
         self.markers = [*self.stops, *(tokenizer.decode([i]) for i in self.eos_ids)]
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.pad = pad_id(tokenizer)
         self.history: list[dict[str, str]] = []
         self.reset()
 
@@ -101,7 +102,7 @@ class Conversation:
         device = next(self.model.parameters()).device
         held = 0 if self._state is None else self._state.ids.shape[1] + 1  # cached tokens and the pending last one
         room = answer_room(self.model, held + len(ids), self.max_new_tokens, "the conversation (/reset clears it)")
-        ids, mask = pad_left([ids], self.pad, device)  # (1, P)
+        ids, mask = pad_prompts([ids], self.pad, device)  # (1, P)
         out = self.model.generate(
             ids, mask, past=self._state, return_state=self.mode == "alternating", max_new_tokens=room,
             tokenizer=self.tokenizer, stop_strings=self.stops or None, eos_token_id=self.eos_ids,
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_options(args)
     if args.save:
         check_output_file(args.save, "--save")  # before the model loads and the conversation starts
-    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
     if args.seed is not None:
         from transformers import set_seed
         set_seed(args.seed)

@@ -59,6 +59,17 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
                              "OMP_NUM_THREADS or the number of cores)")
 
 
+def add_prompt_passes_option(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-passes``: how the prompt passes run (a runtime choice; every choice gives the same numbers)."""
+    from .config import PROMPT_PASSES
+
+    parser.add_argument("--prompt-passes", choices=list(PROMPT_PASSES), default="auto",
+                        help="how the passes run: fused (scoring: prompt passes and answer in one forward), "
+                             "batched (both prompt passes as one forward over 2B rows; what fused and auto read "
+                             "prompts with) or sequential (one forward per pass); every choice gives the same "
+                             "numbers, only the speed differs")
+
+
 def set_threads(threads: int | None) -> None:
     """Apply ``--threads`` (``None``: leave torch's default)."""
     if threads is None:

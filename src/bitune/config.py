@@ -1,4 +1,8 @@
-"""Typed settings of a Bitune model: which variant of the method, which weights it trains and how."""
+"""Typed settings of a Bitune model: which variant of the method, which weights it trains and how.
+
+This is what a checkpoint saves. How the passes execute (fused, batched, sequential) is not part of what was
+learned: it is a runtime argument of :class:`bitune.model.BituneModel` (``prompt_passes``).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +34,15 @@ TEMPLATES: dict[str, str] = {
     "none": "the prompt text as given",
 }
 PASS_MASKS = ("causal", "bidirectional", "anti_causal")
-PROMPT_PASSES = ("auto", "fused", "batched", "sequential")
+PROMPT_PASSES: dict[str, str] = {
+    "auto": "what bitune bench measured fastest: currently fused for a forward, batched for reading a prompt",
+    "fused": "a forward is one forward over 2T + A positions (both prompt passes and the answer); a prompt read "
+             "alone (generation, evaluation) runs both prompt passes as one forward over 2B rows",
+    "batched": "both prompt passes as one forward over 2B rows, then the answer pass",
+    "sequential": "one forward per pass",
+}
+"""How the passes may run: a runtime argument of ``BituneModel``, never saved in a config. Fused and batched need plain LoRA or one shared weight
+set; other methods always run sequentially."""
 
 
 @dataclass
@@ -55,13 +67,6 @@ class BituneConfig:
     """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a list of names."""
     theta_init: float = 0.01
     """Initial value of every mixing parameter theta; the mixing ratio a = |theta| / (theta_init + |theta|) starts at 0.5."""
-    prompt_passes: str = "auto"
-    """How the passes run. ``"fused"``: a training/scoring forward is one forward over 2T + A positions (both
-    prompt passes and the answer pass, each segment with its own weights and mask); reading a prompt alone
-    (generation, evaluation) runs both prompt passes as one forward over 2B rows. ``"batched"``: always the
-    latter, then the answer pass. ``"sequential"``: one forward per pass. ``"auto"`` (default): what ``bitune
-    bench`` measured fastest, currently the same as ``"fused"``. Fused and batched need plain LoRA or one shared
-    weight set; other methods always run sequentially."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
     template: str | None = None
@@ -76,8 +81,6 @@ class BituneConfig:
             raise ValueError("BituneConfig.method: the 'pretrained' variant trains nothing; leave method='lora'")
         if self.template is not None and (not isinstance(self.template, str) or self.template not in TEMPLATES):
             raise ValueError(f"BituneConfig.template={self.template!r} is not one of {list(TEMPLATES)} (or None)")
-        if self.prompt_passes not in PROMPT_PASSES:
-            raise ValueError(f"BituneConfig.prompt_passes={self.prompt_passes!r} is not one of {list(PROMPT_PASSES)}")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
         for name in ("lora_alpha", "lora_dropout", "theta_init"):
@@ -159,4 +162,4 @@ def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
         raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}")
 
 
-__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES"]
+__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES", "PROMPT_PASSES"]

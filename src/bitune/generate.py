@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from transformers import TextStreamer
 
-from .cli import HelpFormatter, add_threads_option
+from .cli import HelpFormatter, add_prompt_passes_option, add_threads_option
 from .config import TEMPLATES
+from .data.collate import pad_id, pad_rows
 from .errors import BituneError
 from .files import check_output_file, check_text, read_text, write_text_atomic
 
@@ -29,11 +30,11 @@ HELP = "generate answers from a checkpoint"
 
 # --------------------------------------------------------------------------------------------------- loading
 def load(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-         dtype: str = "float32", device: str | None = None):
+         dtype: str = "float32", device: str | None = None, prompt_passes: str = "auto"):
     """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant (see ``bitune.hub.load_bitune``)."""
     from .hub import load_bitune
 
-    return load_bitune(checkpoint, model, base, dtype, device)
+    return load_bitune(checkpoint, model, base, dtype, device, prompt_passes)
 
 
 # --------------------------------------------------------------------------------------------------- prompts
@@ -81,28 +82,15 @@ def render(tokenizer, text: str, template: str = "paper") -> tuple[str, bool]:
 def encode(tokenizer, texts: list[str], add_special_tokens: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``(ids, mask)``, each (B, P), of already rendered prompts (at least 2 tokens each)."""
     rows = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
-    return pad_left(rows, _pad_id(tokenizer), device)
+    return pad_prompts(rows, pad_id(tokenizer), device)
 
 
-def pad_left(rows: list[list[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack token lists into left-padded (B, P) ids and mask."""
+def pad_prompts(rows: list[list[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens."""
     for i, r in enumerate(rows):
         if len(r) < 2:
             raise BituneError(f"prompt {i} has {len(r)} token(s); at least 2 are needed")
-    P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad, dtype=torch.long)  # (B, P)
-    mask = torch.zeros(len(rows), P, dtype=torch.long)  # (B, P)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r)
-        mask[i, P - len(r):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _pad_id(tokenizer) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token")
-    return pad
+    return pad_rows(rows, pad, "left", device)
 
 
 def end_of_turn_ids(tokenizer, model, template: str = "paper") -> list[int]:
@@ -182,7 +170,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
                            f"prompt {start + int(mask.sum(1).argmax()) + 1}")  # the longest of the batch
         streamer = StopStreamer(tokenizer, stop) if stream else None
         new = model.generate(ids, mask, max_new_tokens=room, tokenizer=tokenizer,
-                             stop_strings=stop or None, pad_token_id=_pad_id(tokenizer), streamer=streamer,
+                             stop_strings=stop or None, pad_token_id=pad_id(tokenizer), streamer=streamer,
                              **sampling)  # (B, N)
         for row in new:
             answers.append(cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop).strip())
@@ -240,6 +228,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         "one the checkpoint records")
     parser.add_argument("--device", default=None, help="torch device (unset: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+    add_prompt_passes_option(parser)
     add_threads_option(parser)
 
 
@@ -319,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "--output")  # before the answers are computed
     records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
-    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
     if args.seed is not None:
         from transformers import set_seed
         set_seed(args.seed)

@@ -453,7 +453,7 @@ def load_model(
 
 
 def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-                dtype: torch.dtype | str = "float32", device: str | None = None):
+                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
     """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
 
     Args:
@@ -462,15 +462,18 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
         dtype: parameter dtype. Default float32.
         device: torch device; default cuda if available, else cpu.
+        prompt_passes: how the passes run (``bitune.model.PROMPT_PASSES``; a runtime choice, not saved).
 
     Returns:
         ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
     """
-    from .config import BituneConfig
+    from .config import PROMPT_PASSES, BituneConfig
     from .model import BituneModel, read_config
 
     if (checkpoint is None) == (model is None):
         raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    if prompt_passes not in PROMPT_PASSES:
+        raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
     device = resolve_device(device)
     _as_dtype(dtype)
     if checkpoint is not None:
@@ -478,8 +481,8 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         if not name:
             raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
         hf_model, tokenizer = load_model(name, dtype=dtype)
-        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model)
+        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes)
     else:
         hf_model, tokenizer = load_model(model, dtype=dtype)
-        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model))
+        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)
     return bitune.to(device).eval(), tokenizer

@@ -33,7 +33,7 @@ from torch import nn
 from . import attention
 from . import cache as kv
 from .adapters import WeightSets
-from .config import BituneConfig
+from .config import PROMPT_PASSES, BituneConfig
 from .files import apply_umask, replace_dir
 from .masks import concat_masks, fused_mask, pass_mask, position_ids
 from .mixer import Mixer
@@ -86,10 +86,11 @@ class Prefill:
 class BituneModel(nn.Module):
     """A pretrained causal LM turned into a Bitune model. Build with :meth:`wrap` or :meth:`from_pretrained`."""
 
-    def __init__(self, model: nn.Module, config: BituneConfig):
+    def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
         _check_architecture(model)
         self.config = config
+        self.prompt_passes = prompt_passes
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
@@ -97,9 +98,42 @@ class BituneModel(nn.Module):
         self._probe()
 
     @classmethod
-    def wrap(cls, model: nn.Module, config: BituneConfig | None = None) -> "BituneModel":
-        """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``); the default config is Bitune + LoRA r8."""
-        return cls(model, config or BituneConfig())
+    def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto") -> "BituneModel":
+        """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``); the default config is Bitune + LoRA r8.
+
+        Args:
+            prompt_passes: how the passes run, one of ``PROMPT_PASSES`` (a runtime choice: not saved, and every
+                choice computes the same numbers).
+        """
+        return cls(model, config or BituneConfig(), prompt_passes)
+
+    @property
+    def prompt_passes(self) -> str:
+        """How the passes run (one of ``PROMPT_PASSES``); may be changed at any time, see :meth:`execution`."""
+        return self._prompt_passes
+
+    @prompt_passes.setter
+    def prompt_passes(self, value: str) -> None:
+        if not isinstance(value, str) or value not in PROMPT_PASSES:
+            raise ValueError(f"prompt_passes={value!r} is not one of {list(PROMPT_PASSES)}")
+        self._prompt_passes = value
+
+    def execution(self, answer: bool = True) -> str:
+        """The path that runs, resolved from :attr:`prompt_passes`, the variant and the method.
+
+        Args:
+            answer: True for a forward (prompt passes and answer pass): ``"single"`` (the baselines' one causal
+                pass), ``"fused"``, ``"batched"`` or ``"sequential"``; False for reading a prompt alone
+                (:meth:`prefill`: generation, evaluation): ``"batched"`` or ``"sequential"``.
+        """
+        if answer and self.config.single_pass:
+            return "single"
+        names = [w for w, _ in self.config.passes]
+        if answer and self.prompt_passes in ("auto", "fused") and self.weights.can_route_rows(names + ["causal"]):
+            return "fused"
+        if len(names) == 2 and self.prompt_passes != "sequential" and self.weights.can_route_rows(names):
+            return "batched"
+        return "sequential"
 
     # ----------------------------------------------------------------------------------------------- parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -194,7 +228,7 @@ class BituneModel(nn.Module):
         passes = self.config.passes
         B = ids.shape[0]
         names = [w for w, _ in passes for _ in range(B)]
-        if len(passes) == 1 or self.config.prompt_passes == "sequential" or not self.weights.can_route_rows(names):
+        if self.execution(answer=False) == "sequential":
             return [self._prompt_pass(ids, mask, weights, kind, past) for weights, kind in passes]
         cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), names, [k for _, k in passes], past)
         return kv.split_rows(cache, [B, B])  # (2B rows) -> pass A rows, pass B rows
@@ -259,19 +293,14 @@ class BituneModel(nn.Module):
         _check_prompt(prompt_ids, prompt_mask)
         _check_answer(prompt_ids, answer_ids, answer_mask)
         self._check_ids(prompt_ids, answer_ids)
-        if self.config.single_pass:
+        path = self.execution()
+        if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
-        elif self.fuses:
+        elif path == "fused":
             logits = self.fused_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
         else:
             logits = self.answer_logits(self.prefill(prompt_ids, prompt_mask), answer_ids, answer_mask, reuse=False)
         return _answer_loss(logits, answer_ids, answer_mask)
-
-    @property
-    def fuses(self) -> bool:
-        """Whether :meth:`forward` runs prompt passes and answer pass as one forward (:meth:`fused_logits`)."""
-        names = [w for w, _ in self.config.passes] + ["causal"]
-        return self.config.prompt_passes in ("auto", "fused") and self.weights.can_route_rows(names)
 
     def fused_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
         """Prompt passes, mixing and answer pass in one forward; (B, A, V) answer logits.
@@ -414,12 +443,13 @@ class BituneModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
-                        **load_kwargs) -> "BituneModel":
+                        prompt_passes: str = "auto", **load_kwargs) -> "BituneModel":
         """Load a checkpoint written by :meth:`save_pretrained`.
 
         Args:
             directory: the checkpoint folder.
             base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
+            prompt_passes: how the passes run (see :meth:`wrap`).
             load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
         """
         directory = Path(directory)
@@ -430,7 +460,7 @@ class BituneModel(nn.Module):
             if not name:
                 raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
             base, _ = load_model(name, **load_kwargs)
-        model = cls(base, config)
+        model = cls(base, config, prompt_passes)
         model.load_weights(directory)
         return model
 
@@ -479,6 +509,7 @@ def read_config(directory: Path) -> BituneConfig:
         data = json.loads(read_text(path, "Bitune config"))
         if isinstance(data, dict):
             data.setdefault("template", "paper")  # written before templates were recorded: all trained with paper
+            data.pop("prompt_passes", None)  # written while it was a saved setting; now a runtime argument
         return BituneConfig.from_dict(data)
     except BituneError:
         raise
@@ -512,10 +543,16 @@ def _load_strict_dict(params: nn.ParameterDict, state: dict, path: Path) -> None
             p.copy_(state[k])
 
 
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, A) float32 log-probability of each token ``ids[:, t]`` under ``logits[:, t]`` (B, A, V); 0 where ``mask``
+    is 0."""
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # (B, A)
+    return logp * mask.to(torch.float32)
+
+
 def _answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> BituneOutput:
-    m = answer_mask.to(torch.float32)  # (B, A)
-    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, answer_ids.unsqueeze(-1)).squeeze(-1) * m  # (B, A)
-    example_loss = -logp.sum(1) / m.sum(1)  # (B,)
+    logp = token_logprobs(logits, answer_ids, answer_mask)  # (B, A)
+    example_loss = -logp.sum(1) / answer_mask.to(torch.float32).sum(1)  # (B,)
     return BituneOutput(loss=example_loss.mean(), logits=logits, token_logprobs=logp, example_loss=example_loss)
 
 

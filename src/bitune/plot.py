@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from .generate import load, pick_template
 
-        model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device)
+        model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
         template, why = pick_template(model, tokenizer, args.template)
         print(f"bitune plot: {template} template ({why})", file=sys.stderr)
         paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]

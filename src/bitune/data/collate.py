@@ -26,6 +26,40 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id written into padded positions (masked out, so its value never matters): the tokenizer's pad
+    token, else its eos token.
+
+    Raises:
+        BituneError: the tokenizer has neither.
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token")
+    return pad
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad: int, side: str, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into (B, T) ids and mask (1 on real tokens), T the longest row.
+
+    Args:
+        rows: token ids per row (at least one row).
+        pad: id written into padded positions.
+        side: ``"left"`` (prompts: real tokens end every row) or ``"right"`` (answers: real tokens start it).
+        device: where the tensors go (default cpu).
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side={side!r} is not 'left' or 'right'")
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # (B, T)
+    for i, r in enumerate(rows):
+        span = slice(T - len(r), T) if side == "left" else slice(0, len(r))
+        ids[i, span] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, span] = 1
+    return ids.to(device), mask.to(device)
+
+
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise BituneError(f"tokenizer {tokenizer.name_or_path} has no eos token to end answers with")
@@ -105,19 +139,8 @@ class Collator:
         """
         if not samples:
             raise BituneError("cannot collate an empty batch")
-        B = len(samples)
-        P = max(len(s["prompt_ids"]) for s in samples)
-        A = max(len(s["answer_ids"]) for s in samples)
-        prompt_ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)  # (B, P)
-        prompt_mask = torch.zeros((B, P), dtype=torch.long)  # (B, P)
-        answer_ids = torch.full((B, A), self.pad_token_id, dtype=torch.long)  # (B, A)
-        answer_mask = torch.zeros((B, A), dtype=torch.long)  # (B, A)
-        for i, s in enumerate(samples):
-            p, a = len(s["prompt_ids"]), len(s["answer_ids"])
-            prompt_ids[i, P - p :] = torch.tensor(s["prompt_ids"], dtype=torch.long)
-            prompt_mask[i, P - p :] = 1
-            answer_ids[i, :a] = torch.tensor(s["answer_ids"], dtype=torch.long)
-            answer_mask[i, :a] = 1
+        prompt_ids, prompt_mask = pad_rows([s["prompt_ids"] for s in samples], self.pad_token_id, "left")  # (B, P)
+        answer_ids, answer_mask = pad_rows([s["answer_ids"] for s in samples], self.pad_token_id, "right")  # (B, A)
         return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,

@@ -18,8 +18,10 @@ import json
 import os
 import time
 
+from ..hub import DEFAULT_MODEL
 
-def bench(model_name: str = "smollm2-135m", task: str = "piqa", limit: int = 20, batch_size: int = 8,
+
+def bench(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, batch_size: int = 8,
           device: str = "cpu", rounds: int = 2, checkpoint: str | None = None) -> dict:
     """Time ``loglikelihood`` over one task's requests for ``hf``, ``pretrained`` and ``bitune``."""
     import torch
@@ -69,7 +71,7 @@ def bench(model_name: str = "smollm2-135m", task: str = "piqa", limit: int = 20,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bitune.eval.bench_eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--task", default="piqa")
     parser.add_argument("--limit", type=int, default=20, help="questions")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import BituneError
-from ..cli import add_threads_option
+from ..cli import add_prompt_passes_option, add_threads_option
 from ..files import check_output_file, write_text_atomic
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
@@ -48,6 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+    add_prompt_passes_option(parser)
     parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
     parser.add_argument("--max-new-tokens", type=int,
                         help="GSM8K: cap on generated tokens (default: the task's 256, as in the paper's setup)")
@@ -218,14 +219,15 @@ def run(args: argparse.Namespace) -> int:
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                  limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                  seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),
-                 template=args.template)
+                 template=args.template, prompt_passes=args.prompt_passes)
     return 0
 
 
 def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, base: str | None = None,
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
-                 max_new_tokens: int | None = None, output: Path | None = None, template: str | None = None) -> dict:
+                 max_new_tokens: int | None = None, output: Path | None = None, template: str | None = None,
+                 prompt_passes: str = "auto") -> dict:
     """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
 
     Returns:
@@ -243,7 +245,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device)
+    model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device, prompt_passes)
     if template is None and model.config.variant == "pretrained":
         template, why = "paper", "a base model is scored on the tasks' own prompts, the paper's protocol"
     else:
@@ -266,6 +268,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "model": config.base_model or model_name, "bitune": config.to_dict(),
             "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
+            "prompt_passes": model.execution(answer=False),
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},

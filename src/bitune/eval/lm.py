@@ -29,21 +29,21 @@ import functools
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
-from ..model import BituneModel
+from ..model import BituneModel, token_logprobs
 
 Request = tuple[tuple[str, str], list[int], list[int]]
 
 
 def load_for_eval(checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
-                  dtype: str | torch.dtype = "float32", device: str = "cpu"):
+                  dtype: str | torch.dtype = "float32", device: str = "cpu", prompt_passes: str = "auto"):
     """Load a Bitune checkpoint (or a base model as the ``pretrained`` variant) and its tokenizer.
 
     Args:
@@ -52,13 +52,14 @@ def load_for_eval(checkpoint: str | None = None, pretrained: str | None = None, 
         base: with ``checkpoint``, the base model to use instead of the one the checkpoint records.
         dtype: parameter dtype name. Default float32.
         device: torch device. Default cpu.
+        prompt_passes: how the prompt passes run (``bitune.model.PROMPT_PASSES``).
 
     Returns:
         ``(BituneModel, tokenizer)``, the model in eval mode on ``device``.
     """
     from ..hub import load_bitune
 
-    return load_bitune(checkpoint, pretrained, base, dtype, device)
+    return load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes)
 
 
 @register_model("bitune")
@@ -68,18 +69,18 @@ class BituneLM(TemplateLM):
     model_args: ``checkpoint=DIR`` (a Bitune checkpoint, any variant) or ``pretrained=NAME`` (a base model run as
     the ``pretrained`` variant); optional ``base=NAME``, ``batch_size`` (rows per forward, default 8),
     ``device`` (default cuda if available, else cpu), ``dtype`` (default float32), ``max_length`` (default: the model's
-    ``max_position_embeddings``), ``max_gen_toks`` (default 256). In Python, pass ``model=`` (a BituneModel) and
-    ``tokenizer=`` instead.
+    ``max_position_embeddings``), ``max_gen_toks`` (default 256), ``prompt_passes`` (default auto). In Python, pass
+    ``model=`` (a BituneModel) and ``tokenizer=`` instead.
     """
 
     def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
                  model: BituneModel | None = None, tokenizer=None, batch_size: int | str = 8,
                  device: str | None = None, dtype: str = "float32", max_length: int | None = None,
-                 max_gen_toks: int = 256, **unused):
+                 max_gen_toks: int = 256, prompt_passes: str = "auto", **unused):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
-            model, tokenizer = load_for_eval(checkpoint, pretrained, base, dtype, device)
+            model, tokenizer = load_for_eval(checkpoint, pretrained, base, dtype, device, prompt_passes)
         elif tokenizer is None:
             raise BituneError("BituneLM(model=...) also needs tokenizer=")
         self.model = model.eval()
@@ -92,8 +93,7 @@ class BituneLM(TemplateLM):
             raise BituneError(f"batch_size must be >= 1, got {batch_size}")
         self._max_length = int(max_length) if max_length else model.text_config.max_position_embeddings
         self._max_gen_toks = int(max_gen_toks)
-        pad = tokenizer.pad_token_id
-        self._pad = pad if pad is not None else self.eot_token_id
+        self._pad = pad_id(tokenizer)
 
     # ------------------------------------------------------------------------------------------- lm-eval API
     @property
@@ -230,9 +230,8 @@ class BituneLM(TemplateLM):
 
     @staticmethod
     def _collect(results, request_ids, logits, ids, mask) -> None:
-        logp = F.log_softmax(logits.float(), dim=-1)  # (b, A, V)
-        token_logp = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask  # (b, A)
-        greedy = ((logp.argmax(-1) == ids) | (mask == 0)).all(dim=1)  # (b,)
+        token_logp = token_logprobs(logits, ids, mask)  # (b, A)
+        greedy = ((logits.float().argmax(-1) == ids) | (mask == 0)).all(dim=1)  # (b,)
         for k, i in enumerate(request_ids):
             results[i] = (float(token_logp[k].sum()), bool(greedy[k]))
 
@@ -246,18 +245,10 @@ class BituneLM(TemplateLM):
         return whole[:len(whole) - len(cont)], cont
 
     def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) left-padded ids and mask."""
-        T = max(len(s) for s in seqs)
-        ids = torch.tensor([[self._pad] * (T - len(s)) + s for s in seqs], device=self.device)
-        mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs], device=self.device)
-        return ids, mask
+        return pad_rows(seqs, self._pad, "left", self.device)  # (B, T) ids and mask
 
     def _right_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T) right-padded ids and mask."""
-        T = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [self._pad] * (T - len(s)) for s in seqs], device=self.device)
-        mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in seqs], device=self.device)
-        return ids, mask
+        return pad_rows(seqs, self._pad, "right", self.device)  # (B, T) ids and mask
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole documents with the causal weights (lm-eval's disjoint rolling windows)."""

@@ -24,7 +24,8 @@ def _named_values() -> dict[str, str]:
     from ..hub import BUILTIN_MODELS
 
     values = {"VARIANTS": config.VARIANTS, "METHODS": config.METHODS, "TEMPLATES": getattr(config, "TEMPLATES", {}),
-              "bitune.data.datasets.DATASETS": DATASETS, "bitune.hub.list_models": BUILTIN_MODELS}
+              "bitune.config.PROMPT_PASSES": config.PROMPT_PASSES, "bitune.data.datasets.DATASETS": DATASETS,
+              "bitune.hub.list_models": BUILTIN_MODELS}
     return {f"``{k}``": ", ".join(v) for k, v in values.items() if v}
 
 

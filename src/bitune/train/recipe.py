@@ -57,7 +57,7 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
 
 
 def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], overwrite: bool) -> TrainResult:
-    from ..data.collate import Collator
+    from ..data.collate import Collator, pad_id
     from ..data.datasets import dataset_template
     from ..hub import load_model
 
@@ -76,9 +76,8 @@ def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], ov
     config = dataclasses.replace(settings.bitune, base_model=settings.model,
                                  template=dataset_template(settings.dataset))  # generate/chat/eval reuse it
     say(f"bitune train: {config.template} template (the format of {settings.dataset}; recorded in the checkpoint)")
-    model = BituneModel.wrap(base, config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad))
+    model = BituneModel.wrap(base, config, prompt_passes=settings.prompt_passes)
+    trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)))
     result = run_training(trainer, settings, resume, overwrite=overwrite, first_log={
         "event": "data", "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
         "eval_examples": len(eval_data) if eval_data is not None else 0})

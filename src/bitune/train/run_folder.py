@@ -28,7 +28,7 @@ FINAL_DIR = "final"
 TB_DIR = "tensorboard"
 LOCK_FILE = "run.lock"
 RESUMABLE_KEYS = ("output_dir", "steps", "epochs", "save_every", "save_total_limit", "log_every", "eval_every",
-                  "num_workers")
+                  "num_workers", "prompt_passes")
 """Settings a resumed run may change."""
 
 _held: dict[str, int] = {}  # run folders this process holds the lock of -> the lock file's descriptor
@@ -109,6 +109,9 @@ def _check_same_settings(saved_path: Path, settings: Any) -> None:
                           "resume") from e
     if not isinstance(saved, dict):
         raise BituneError(f"{saved_path} is corrupt (not a mapping of settings); cannot check the run to resume")
+    from .settings import upgrade
+
+    saved = upgrade(saved)  # an older run's bitune.prompt_passes is a runtime choice, like any resumable key
     now = settings.to_dict()
     changed = sorted(k for k in now if k not in RESUMABLE_KEYS
                      and k in saved and saved[k] != now[k])  # a key an older version did not write: its default

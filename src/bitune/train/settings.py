@@ -20,11 +20,15 @@ from typing import Any
 
 import yaml
 
-from ..config import BituneConfig
+from ..config import PROMPT_PASSES, BituneConfig
 from ..errors import BituneError
 from ..files import read_text
+from ..hub import DEFAULT_MODEL
 
 EXTENDS_KEY = "extends"
+RUNTIME_KEYS = ("prompt_passes",)
+"""Keys an older ``bitune:`` section carried that are runtime choices of the run, not model settings: still
+accepted there, and moved to the top level (:func:`upgrade`)."""
 BF16_CHOICES = ("auto", "true", "false")
 CLIP_CHOICES = ("all", "adapters")
 
@@ -33,7 +37,7 @@ CLIP_CHOICES = ("all", "adapters")
 class TrainSettings:
     """Everything a training run needs; validated on construction."""
 
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     """Base model: a built-in offline name (see ``bitune.hub.list_models``), a hub id or a local folder."""
     dataset: str = "alpaca_demo"
     """Training data: a name from ``bitune.data.datasets.DATASETS`` or a local .json/.jsonl file."""
@@ -89,6 +93,10 @@ class TrainSettings:
     {theta_init} {seed}."""
     num_workers: int = 0
     """Data loader worker processes."""
+    prompt_passes: str = "auto"
+    """How the passes run: one of ``bitune.config.PROMPT_PASSES`` (a runtime choice: every choice trains the same
+    numbers, it is not saved in the checkpoint and a resumed run may change it; ``bitune.prompt_passes`` is still
+    read)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bitune, dict):
@@ -98,6 +106,8 @@ class TrainSettings:
         for f in dataclasses.fields(self):
             if f.name != "bitune":
                 setattr(self, f.name, _coerce(f"{f.name}", getattr(self, f.name), _hints()[f.name]))
+        if self.prompt_passes not in PROMPT_PASSES:
+            raise BituneError(f"prompt_passes={self.prompt_passes!r} is not one of {list(PROMPT_PASSES)}")
         if self.clip not in CLIP_CHOICES:
             raise BituneError(f"clip={self.clip!r} is not one of {list(CLIP_CHOICES)}")
         self.bf16 = str(self.bf16).lower()
@@ -172,8 +182,24 @@ class TrainSettings:
         """Build from a (nested) dict, rejecting unknown keys with the closest allowed one."""
         if not isinstance(data, dict):
             raise BituneError(f"settings must be a mapping of keys to values, got {type(data).__name__}")
+        data = upgrade(data)
         _check_keys(data, field_names(cls), "")
         return cls(**data)
+
+
+def upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """Settings as this version lays them out: a ``bitune.prompt_passes`` (once a model setting) moves to the top
+    level, where the run's runtime choices live; a copy, ``data`` is left as it is."""
+    section = data.get("bitune")
+    if not isinstance(section, dict) or not any(k in section for k in RUNTIME_KEYS):
+        return data
+    data = {**data, "bitune": {k: v for k, v in section.items() if k not in RUNTIME_KEYS}}
+    for key in RUNTIME_KEYS:
+        if key in section:
+            if key in data and data[key] != section[key]:
+                raise BituneError(f"bitune.{key}={section[key]!r} and {key}={data[key]!r} disagree; set {key} only")
+            data[key] = section[key]
+    return data
 
 
 def field_names(cls: type) -> list[str]:
@@ -340,4 +366,4 @@ def _positive(name: str, value: int) -> None:
         raise BituneError(f"{name} must be a positive integer, got {value}")
 
 
-__all__ = ["TrainSettings", "load_settings", "read_yaml", "field_docs", "field_names"]
+__all__ = ["TrainSettings", "load_settings", "read_yaml", "field_docs", "field_names", "upgrade"]

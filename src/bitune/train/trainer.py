@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import time
@@ -550,14 +549,5 @@ def _rotate(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def steps_for(n_examples: int, settings: TrainSettings, world_size: int = 1) -> int:
-    """Optimizer steps a run takes: ``steps`` if set, else epochs x ceil(examples / global batch), where the
-    global batch is ``world_size`` processes x ``batch_size`` x ``grad_accum``."""
-    if settings.steps is not None:
-        return settings.steps
-    per_epoch = max(1, math.ceil(n_examples / (settings.batch_size * world_size)) // settings.grad_accum)
-    return math.ceil(per_epoch * settings.epochs)
-
-
 __all__ = ["BituneTrainer", "JsonlLogger", "TrainResult", "build_trainer", "run_training", "checkpoints",
-           "training_arguments", "resolve_bf16", "verify_checkpoint", "check_world_size", "steps_for"]
+           "training_arguments", "resolve_bf16", "verify_checkpoint", "check_world_size"]
