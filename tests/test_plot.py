@@ -13,7 +13,7 @@ from bitune import BituneModel
 from bitune.cli import main
 from bitune.data.collate import Collator
 from bitune.generate import encode, render
-from bitune.plot import FINAL_FILE, STEPS_FILE, attention_figure, mixing_figures, read_mixing_log, token_labels
+from bitune.plot import FINAL_FILE, STEPS_FILE, attention_figure, attention_maps, mixing_figures, read_mixing_log, token_labels
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, run_training
 
@@ -107,7 +107,7 @@ def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):
 def test_attention_figure_shows_causal_and_bidirectional_maps_with_token_labels():
     tok, model = tiny_tokenizer(), tiny_bitune()
     ids, mask = encode(tok, [render(tok, "why is the sky blue?")[0]], True)
-    maps = {k: m[0] for k, m in model.attention_maps(ids, mask).items()}  # (T, T) each
+    maps = {k: m[0] for k, m in attention_maps(model, ids, mask).items()}  # (T, T) each
     labels = token_labels(tok, ids[0, :-1].tolist())
     fig = attention_figure(maps, labels)
     images = [ax for ax in fig.axes if ax.get_images()]

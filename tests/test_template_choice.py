@@ -15,8 +15,8 @@ from gen_helpers import CHAT_TEMPLATE, tiny_bitune
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import main
-from bitune.generate import generate_texts, load, pick_template
-from bitune.model import CONFIG_FILE
+from bitune.checkpoint import CONFIG_FILE, load_bitune
+from bitune.generate import generate_texts, pick_template
 
 CHAT_ROWS = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
                            {"role": "assistant", "content": f"it is {2 * i}."}]} for i in range(4)]
@@ -61,7 +61,7 @@ def test_training_records_the_data_template_and_generate_reuses_it(base_dir, tmp
     assert json.loads((tmp_path / template / "final" / CONFIG_FILE).read_text())["template"] == template
     answers, err = generate_cli(["--checkpoint", final], tmp_path, capsys)
     assert f"bitune generate: {template} template (the template the checkpoint was trained with)" in err
-    model, tok = load(final, device="cpu")
+    model, tok = load_bitune(final, device="cpu")
     assert answers == generate_texts(model, tok, PROMPTS, template=template, max_new_tokens=5)
     other = "paper" if template == "chat" else "chat"
     assert answers != generate_texts(model, tok, PROMPTS, template=other, max_new_tokens=5)
@@ -80,7 +80,7 @@ def test_old_checkpoint_without_template_reads_as_paper(base_dir, tmp_path, caps
 def test_base_model_defaults_to_its_chat_template(base_dir, tmp_path, capsys):
     answers, err = generate_cli(["--model", str(base_dir)], tmp_path, capsys)
     assert "bitune generate: chat template (the base model has a chat template)" in err
-    model, tok = load(model=str(base_dir), device="cpu")
+    model, tok = load_bitune(model=str(base_dir), device="cpu")
     assert answers == generate_texts(model, tok, PROMPTS, template="chat", max_new_tokens=5)
     tok.chat_template = None
     assert pick_template(model, tok) == ("paper", "the base model has no chat template")

@@ -2,7 +2,8 @@
 
 A prompt pass fills a :class:`PromptCache`, which ends the forward as soon as the last layer has written its
 keys and values: only K/V reach the answer, so the last layer's attention output, MLP, final norm and lm_head
-would be wasted work. Two prompt caches are mixed layer by layer into the first one (paper eq. 6-7).
+would be wasted work. Two prompt caches are mixed layer by layer into the first one (paper eq. 6-7). The fused
+forward's stand-in cache, which stores nothing, lives with that path (:class:`bitune.fused.FusedCache`).
 """
 
 from __future__ import annotations
@@ -34,33 +35,6 @@ class PromptCache(DynamicCache):
         if layer_idx == self.stop_after_layer:
             raise PassComplete
         return out
-
-
-class FusedCache(DynamicCache):
-    """Stands in for the cache of one forward over ``[pass B | pass A | answer]`` (see :func:`bitune.masks.fused_mask`).
-
-    It stores nothing: each layer's keys and values come back extended by the T mixed prompt positions
-    ``mix(layer, K_A, K_B, V_A, V_B)``, which the mask lets the answer tokens (only) attend to. Gradients flow
-    through the mixing into both passes, as in the sequential path.
-
-    Args:
-        config: the model's text config.
-        prompt_len: T, tokens per prompt pass.
-        mix: the mixer (None for one prompt pass: the answer then reads that pass's keys directly).
-    """
-
-    def __init__(self, config, prompt_len: int, mix=None):
-        super().__init__(config=config)
-        self.prompt_len = prompt_len
-        self.mix = mix
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.mix is None:
-            return key_states, value_states
-        T = self.prompt_len  # positions: [0, T) pass B, [T, 2T) pass A, then the answer
-        k, v = self.mix(layer_idx, key_states[..., T:2 * T, :], key_states[..., :T, :],
-                        value_states[..., T:2 * T, :], value_states[..., :T, :])
-        return torch.cat([key_states, k], dim=-2), torch.cat([value_states, v], dim=-2)
 
 
 def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

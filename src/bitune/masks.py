@@ -4,6 +4,8 @@ A prompt pass hands the model a prepared 4D mask (boolean for sdpa, additive for
 transformers 5.x architecture uses as-is (paper eq. 4 and 5). Models whose
 config lists sliding-window layers get a per-layer-type dict, the form their forward accepts for hybrid masks.
 Padding keys are always blocked; a padding query may see itself only, so no softmax row is empty (no NaN).
+The fused forward builds its block mask from the same pieces (:func:`allowed`, :func:`per_layer_type`) in
+:mod:`bitune.fused`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ def position_ids(attention_mask: torch.Tensor, offset: torch.Tensor | None = Non
     return pos.clamp(min=0) * attention_mask.long()
 
 
-def _allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torch.Tensor:
-    """(B, 1, T, T) boolean: query row j may attend to key column i."""
+def allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torch.Tensor:
+    """(B, 1, T, T) boolean: query row j may attend to key column i, for a pass of mask ``kind``.
+
+    Args:
+        attention_mask: (B, T) 1 for real tokens.
+        kind: one of ``PASS_MASKS``.
+        window: sliding-window size (keys further than this are blocked), or None.
+    """
     if kind not in PASS_MASKS:
         raise ValueError(f"unknown attention kind {kind!r}; allowed: {PASS_MASKS}")
     T = attention_mask.shape[-1]
@@ -70,69 +78,28 @@ def pass_mask(
     Returns:
         (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
     """
-    _check_implementation(attn_implementation)
+    check_implementation(attn_implementation)
 
     def build(window: int | None) -> torch.Tensor:
-        allowed = _allowed(attention_mask, kind, window)  # (B, 1, T, T)
+        ok = allowed(attention_mask, kind, window)  # (B, 1, T, T)
         if past_mask is not None:
-            past = past_mask.bool()[:, None, None, :].expand(-1, 1, allowed.shape[2], -1)  # (B, 1, T, T_past)
-            allowed = torch.cat([past, allowed], dim=-1)  # (B, 1, T, T_past + T)
+            past = past_mask.bool()[:, None, None, :].expand(-1, 1, ok.shape[2], -1)  # (B, 1, T, T_past)
+            ok = torch.cat([past, ok], dim=-1)  # (B, 1, T, T_past + T)
         if attn_implementation != "eager":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
+            return ok
+        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
 
-    return _per_layer_type(build, config)
-
-
-def fused_mask(
-    prompt_mask: torch.Tensor, step_mask: torch.Tensor, kinds: list[str], read: int, dtype: torch.dtype, config,
-    attn_implementation: str = "sdpa",
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The mask of one forward over ``[prompt pass 1 | ... | prompt pass n | answer pass]`` (all passes at once).
-
-    Query positions are the ``S = n * T + A`` input tokens; key positions are those ``S`` followed by any extra
-    block the cache appends (:class:`bitune.cache.FusedCache` appends the T mixed prompt positions). Pass i sees
-    its own T tokens with mask ``kinds[i]``; the answer pass sees the T prompt keys starting at key ``read``
-    (its prompt cache: one pass's keys, or the mixed block) and its own tokens causally.
-
-    Args:
-        prompt_mask: (B, T) 1 for real prompt-pass tokens (left padding).
-        step_mask: (B, A) 1 for real answer-pass tokens (right padding).
-        kinds: the mask kind of each prompt pass, in sequence order.
-        read: first key position of the T prompt keys the answer pass attends to.
-
-    Returns:
-        (B, 1, S, K) mask, K = max(S, read + T); or ``{layer_type: mask}`` for models with sliding windows.
-    """
-    _check_implementation(attn_implementation)
-    B, T = prompt_mask.shape
-    A = step_mask.shape[1]
-    S = len(kinds) * T + A
-    K = max(S, read + T)
-
-    def build(window: int | None) -> torch.Tensor:
-        allowed = torch.zeros(B, 1, S, K, dtype=torch.bool, device=prompt_mask.device)
-        for i, kind in enumerate(kinds):
-            allowed[:, :, i * T:(i + 1) * T, i * T:(i + 1) * T] = _allowed(prompt_mask, kind, window)
-        answer = _allowed(torch.cat([prompt_mask, step_mask], dim=1), "causal", window)[:, :, T:]  # (B,1,A,T+A)
-        allowed[:, :, S - A:, read:read + T] = answer[..., :T]
-        allowed[:, :, S - A:, S - A:S] = answer[..., T:]
-        if attn_implementation != "eager":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)
-
-    return _per_layer_type(build, config)
+    return per_layer_type(build, config)
 
 
-def _check_implementation(name: str) -> None:
+def check_implementation(name: str) -> None:
+    """Refuse attention implementations other than eager and sdpa (the 4D masks are tested with those)."""
     if name not in ("eager", "sdpa"):
         raise ValueError(f"attention implementation {name!r} is not supported (Bitune passes its own 4D masks, "
                          "tested with sdpa and eager); load the model with attn_implementation='sdpa' or 'eager'")
 
 
-def _per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
+def per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
     """``build(window)`` once, or once per layer type for models with sliding-window layers."""
     layer_types = set(getattr(config, "layer_types", None) or ())
     if "sliding_attention" in layer_types:

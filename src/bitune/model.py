@@ -12,35 +12,28 @@ For a batch of left-padded prompts x_1..x_P and right-padded answers y_1..y_A:
 3. answer pass over x_P, y_1..y_{A-1}, causal, causal weights, on the mixed cache, positions continuing from
    the prompt; the loss is the cross-entropy of y_1..y_A (eos included), padding excluded.
 
-Masks live in :mod:`bitune.masks`, caches in :mod:`bitune.cache`, weight sets in :mod:`bitune.adapters`.
+How the passes execute is a runtime choice (``prompt_passes``, resolved by :meth:`BituneModel.execution`): the
+prompt passes one by one or batched (:mod:`bitune.passes`), or everything fused into one forward
+(:mod:`bitune.fused`). Caches live in :mod:`bitune.cache`, masks in :mod:`bitune.masks`, weight sets in
+:mod:`bitune.adapters`, checkpoints in :mod:`bitune.checkpoint`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import attention
 from . import cache as kv
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
-from .files import apply_umask, replace_dir
-from .masks import concat_masks, fused_mask, pass_mask, position_ids
+from .fused import fused_logits
+from .masks import position_ids
 from .mixer import Mixer
-
-CONFIG_FILE = "bitune_config.json"
-MIXER_FILE = "mixer.safetensors"
-BIDIR_FULL_FILE = "model.safetensors"
+from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
 
 
 @dataclass
@@ -60,27 +53,6 @@ class BituneOutput:
     logits: torch.Tensor
     token_logprobs: torch.Tensor
     example_loss: torch.Tensor
-
-
-@dataclass
-class Prefill:
-    """A prompt read by the prompt passes, ready for an answer pass (or the state of a conversation).
-
-    Attributes:
-        cache: KV cache of the tokens read so far, mixed where the variant mixes.
-        ids: (B, T) the token ids in the cache.
-        mask: (B, T) attention mask of the cached tokens.
-        last_token: (B, 1) the token that opens the next answer pass (not yet in the cache).
-    """
-
-    cache: object
-    ids: torch.Tensor
-    mask: torch.Tensor
-    last_token: torch.Tensor
-
-    def select(self, index: torch.Tensor) -> "Prefill":
-        """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
-        return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
 
 
 class BituneModel(nn.Module):
@@ -162,7 +134,7 @@ class BituneModel(nn.Module):
         mask = torch.ones(1, 2, dtype=torch.long, device=device)
         with torch.enable_grad():
             try:
-                cache = self._prompt_pass(ids, mask, weights, "bidirectional")
+                cache = read_pass(self, ids, mask, weights, "bidirectional")
                 k, v = kv.layer_kv(cache, self.num_layers - 1)
             except (AttributeError, IndexError, TypeError) as e:
                 raise ValueError(f"{type(self.weights.base).__name__}: no per-layer attention KV cache "
@@ -176,40 +148,6 @@ class BituneModel(nn.Module):
                 p.requires_grad_(False)
 
     # ----------------------------------------------------------------------------------------------- passes
-    @property
-    def _dtype(self) -> torch.dtype:
-        return next(self.weights.base.parameters()).dtype
-
-    def _prompt_pass(self, ids: torch.Tensor, mask: torch.Tensor, weights, kind, past: Prefill | None = None):
-        """One forward over prompt tokens; returns its KV cache (per layer (B, n_kv, T_past + T, hs)).
-
-        ``weights`` and ``kind`` are one name each, or one per row group (a batched pass over several groups,
-        each of ``B / groups`` rows). With ``past``, the new tokens also see every real token already cached
-        (a copy of ``past.cache`` is extended; the original is untouched).
-        """
-        self._check_no_checkpointing()
-        B = ids.shape[0]
-        rows = torch.arange(B, device=ids.device) % (past.mask.shape[0] if past is not None else 1)
-        cache = kv.extendable_copy(past.cache if past is not None else None, self.text_config, rows,
-                                   stop_after_layer=self.num_layers - 1)
-        past_mask = past.mask[rows] if past is not None else None
-        impl = self.weights.base.config._attn_implementation
-        kinds = [kind] if isinstance(kind, str) else kind
-        group = B // len(kinds)
-        attn = concat_masks([
-            pass_mask(mask[g * group:(g + 1) * group], k, self._dtype, self.text_config, impl,
-                      past_mask[g * group:(g + 1) * group] if past_mask is not None else None)
-            for g, k in enumerate(kinds)])
-        offset = past_mask.sum(1) if past_mask is not None else None
-        call = self.weights.call if isinstance(weights, str) else self.weights.call_rows
-        try:
-            call(weights, input_ids=ids, attention_mask=attn, position_ids=position_ids(mask, offset),
-                 cache=cache, use_cache=True, logits_to_keep=1)
-        except kv.PassComplete:
-            pass
-        kv.detach_stop(cache)
-        return cache
-
     def _check_ids(self, *ids: torch.Tensor) -> None:
         vocab = self.weights.base.get_input_embeddings().num_embeddings
         for t in ids:
@@ -219,19 +157,16 @@ class BituneModel(nn.Module):
                 raise ValueError(f"token ids must be integers in [0, {vocab}) for this model; got ids in "
                                  f"[{t.min().item()}, {t.max().item()}]")
 
-    def _check_no_checkpointing(self) -> None:
+    def check_no_checkpointing(self) -> None:
+        """Refuse gradient checkpointing in training: it would drop the prompt caches the answer reads."""
         if getattr(self.weights.base, "is_activation_checkpointing", False) and self.training:
             raise ValueError("gradient checkpointing drops the prompt cache in training; disable it for Bitune")
 
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
-        passes = self.config.passes
-        B = ids.shape[0]
-        names = [w for w, _ in passes for _ in range(B)]
-        if self.execution(answer=False) == "sequential":
-            return [self._prompt_pass(ids, mask, weights, kind, past) for weights, kind in passes]
-        cache = self._prompt_pass(ids.repeat(2, 1), mask.repeat(2, 1), names, [k for _, k in passes], past)
-        return kv.split_rows(cache, [B, B])  # (2B rows) -> pass A rows, pass B rows
+        if self.execution(answer=False) == "batched":
+            return read_passes_batched(self, ids, mask, self.config.passes, past)
+        return [read_pass(self, ids, mask, weights, kind, past) for weights, kind in self.config.passes]
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Prefill | None = None) -> Prefill:
         """Read a batch of left-padded prompts: prompt passes over all but the last token, then mixing.
@@ -246,20 +181,11 @@ class BituneModel(nn.Module):
         _check_prompt(prompt_ids, prompt_mask)
         self._check_ids(prompt_ids)
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
-        start = 0
         if past is not None:
-            if past.ids.shape[0] != prompt_ids.shape[0]:
-                raise ValueError(f"past holds {past.ids.shape[0]} rows, the prompt batch {prompt_ids.shape[0]}")
-            window = getattr(self.text_config, "sliding_window", None)
-            if window and past.ids.shape[1] + prompt_ids.shape[1] >= window:
-                raise ValueError(f"this model has sliding-window layers ({window} tokens); a history this long "
-                                 "cannot be extended: re-read it whole (chat mode 'recompute')")
-            ids = torch.cat([past.last_token, ids], dim=1)  # (B, P): the previous answer's last token first
-            mask = torch.cat([torch.ones_like(past.last_token), mask], dim=1)
-            start = past.ids.shape[1]
+            ids, mask = continue_conversation(past, ids, mask, self.text_config)  # (B, P)
         caches = self.prompt_caches(ids, mask, past)
         if self.mixer is not None:
-            kv.mix_into(caches[0], caches[1], self.mixer, start=start)
+            kv.mix_into(caches[0], caches[1], self.mixer, start=past.ids.shape[1] if past is not None else 0)
         if past is not None:
             ids, mask = torch.cat([past.ids, ids], dim=1), torch.cat([past.mask, mask], dim=1)
         return Prefill(caches[0], ids, mask, prompt_ids[:, -1:])
@@ -297,42 +223,10 @@ class BituneModel(nn.Module):
         if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
         elif path == "fused":
-            logits = self.fused_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
+            logits = fused_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask)
         else:
             logits = self.answer_logits(self.prefill(prompt_ids, prompt_mask), answer_ids, answer_mask, reuse=False)
         return _answer_loss(logits, answer_ids, answer_mask)
-
-    def fused_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
-        """Prompt passes, mixing and answer pass in one forward; (B, A, V) answer logits.
-
-        The model reads ``[pass B | pass A | answer]`` (T, T and A positions, pass A's weights running on into
-        the answer's) with one mask (:func:`bitune.masks.fused_mask`) and positions restarting for each pass;
-        :class:`bitune.cache.FusedCache` appends each layer's mixed prompt keys/values for the answer to read.
-        Computes what ``answer_logits(prefill(...))`` computes, in one forward of 2T + A tokens instead of three
-        smaller ones: far fewer, larger matrix products. Attention computes only the blocks the mask allows
-        (:mod:`bitune.attention`); the price is the last layer's q/o/MLP on prompt positions, which the
-        sequential path skips.
-        """
-        self._check_no_checkpointing()
-        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
-        step_ids = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], dim=1)  # (B, A)
-        step_mask = torch.cat([torch.ones_like(prompt_mask[:, -1:]), answer_mask[:, :-1]], dim=1)  # (B, A)
-        T, A = ids.shape[1], step_ids.shape[1]
-        passes = self.config.passes[::-1]  # pass B first, so pass A (causal weights) runs on into the answer
-        S = len(passes) * T + A
-        read = S if self.mixer is not None else 0  # the mixed block the cache appends, or the one pass's keys
-        base = self.weights.base
-        attn = fused_mask(mask, step_mask, [k for _, k in passes], read, self._dtype, self.text_config,
-                          base.config._attn_implementation)
-        positions = position_ids(mask)  # (B, T)
-        answer_positions = position_ids(torch.cat([mask, step_mask], dim=1))[:, T:]  # (B, A)
-        with attention.fused(base, T, len(passes), read):
-            out = self.weights.call_segments(
-                [(w, T) for w, _ in passes] + [("causal", A)],
-                input_ids=torch.cat([ids] * len(passes) + [step_ids], dim=1),  # (B, S)
-                attention_mask=attn, position_ids=torch.cat([positions] * len(passes) + [answer_positions], dim=1),
-                cache=kv.FusedCache(self.text_config, T, self.mixer), use_cache=True, logits_to_keep=A)
-        return out.logits
 
     def causal_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
         """One plain causal pass of the causal weights over prompt + answer; (B, A, V) answer logits.
@@ -388,161 +282,29 @@ class BituneModel(nn.Module):
                         out[:, -1:])
         return new, state
 
-    @torch.no_grad()
-    def attention_maps(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Attention of each prompt pass, averaged over layers and heads (paper A.12).
-
-        Returns:
-            ``{"<weights>/<mask>": (B, T, T)}`` per pass over the prompt without its last token; row = query.
-        """
-        _check_prompt(prompt_ids, prompt_mask)
-        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-        base = self.weights.base
-        impl = base.config._attn_implementation
-        base.set_attn_implementation("eager")
-        try:
-            maps = {}
-            for weights, kind in self.config.passes:
-                attn = pass_mask(mask, kind, self._dtype, self.text_config, "eager")
-                out = self.weights.call(weights, input_ids=ids, attention_mask=attn, output_attentions=True,
-                                        position_ids=position_ids(mask), logits_to_keep=1)
-                maps[f"{weights}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
-            return maps
-        finally:
-            base.set_attn_implementation(impl)
-
-    # ----------------------------------------------------------------------------------------------- persistence
+    # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON).
+        """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`."""
+        from .checkpoint import save
 
-        Written into a temporary folder next to ``directory`` and renamed into place, so an existing
-        checkpoint is never left half-overwritten.
-        """
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-        try:
-            (tmp / CONFIG_FILE).write_text(self.config.to_json())
-            if self.mixer is not None:
-                save_file({k: p.detach().cpu().contiguous() for k, p in self.mixer.state_dict().items()},
-                          str(tmp / MIXER_FILE))
-            if self.weights.peft:
-                self.weights.model.save_pretrained(str(tmp), selected_adapters=list(self.config.weight_sets))
-                (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
-            elif self.config.method == "full" and self.config.weight_sets:
-                self.weights.model.save_pretrained(str(tmp / "causal"), max_shard_size="1000GB")
-                if "bidir" in self.config.weight_sets:
-                    (tmp / "bidir").mkdir()
-                    save_file({k: p.detach().cpu().contiguous() for k, p in self.weights.bidir.items()},
-                              str(tmp / "bidir" / BIDIR_FULL_FILE))
-            apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
-            replace_dir(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        save(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
                         prompt_passes: str = "auto", **load_kwargs) -> "BituneModel":
-        """Load a checkpoint written by :meth:`save_pretrained`.
+        """Load a checkpoint; see :func:`bitune.checkpoint.load`."""
+        from .checkpoint import load
 
-        Args:
-            directory: the checkpoint folder.
-            base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
-            prompt_passes: how the passes run (see :meth:`wrap`).
-            load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
-        """
-        directory = Path(directory)
-        config = read_config(directory)
-        if base is None or isinstance(base, str):
-            from .hub import load_model
-            name = base or config.base_model
-            if not name:
-                raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
-            base, _ = load_model(name, **load_kwargs)
-        model = cls(base, config, prompt_passes)
-        model.load_weights(directory)
-        return model
+        return load(directory, base, prompt_passes, **load_kwargs)
 
     def load_weights(self, directory: str | os.PathLike) -> None:
-        """Load trained weights from a checkpoint folder into this model, strictly (every tensor must match)."""
-        directory = Path(directory)
-        if self.mixer is not None:
-            _load_strict(self.mixer, _read_safetensors(directory / MIXER_FILE), directory / MIXER_FILE)
-        for name in self.config.weight_sets:
-            params = self.weights.parameters_of(name)
-            if self.weights.peft:
-                from peft.utils import set_peft_model_state_dict
-                path = directory / name / "adapter_model.safetensors"
-                state = _read_safetensors(path)
-                try:
-                    result = set_peft_model_state_dict(self.weights.model, state, adapter_name=name)
-                except RuntimeError as e:
-                    raise ValueError(f"{path} does not match this model/config: {str(e).splitlines()[-1]}") from e
-                if result.unexpected_keys:
-                    raise ValueError(f"{path}: unexpected tensors {result.unexpected_keys[:3]}: "
-                                     "the checkpoint does not match this model/config")
-                if len(state) != len(params):
-                    raise ValueError(f"{path}: holds {len(state)} tensors, this model expects {len(params)}: "
-                                     "the checkpoint does not match this model/config")
-            elif name == "causal":
-                path = directory / "causal" / BIDIR_FULL_FILE
-                state = _read_safetensors(path)
-                missing, unexpected = self.weights.model.load_state_dict(state, strict=False)
-                if unexpected or [k for k in missing if k in params]:
-                    raise ValueError(f"{path}: does not match this model (missing {missing[:3]}, "
-                                     f"unexpected {unexpected[:3]})")
-            else:
-                path = directory / "bidir" / BIDIR_FULL_FILE
-                _load_strict_dict(self.weights.bidir, _read_safetensors(path), path)
+        """Load trained weights from a checkpoint, strictly; see :func:`bitune.checkpoint.load_weights`."""
+        from .checkpoint import load_weights
+
+        load_weights(self, directory)
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def read_config(directory: Path) -> BituneConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing")
-    from .errors import BituneError
-    from .files import read_text
-
-    try:
-        data = json.loads(read_text(path, "Bitune config"))
-        if isinstance(data, dict):
-            data.setdefault("template", "paper")  # written before templates were recorded: all trained with paper
-            data.pop("prompt_passes", None)  # written while it was a saved setting; now a runtime argument
-        return BituneConfig.from_dict(data)
-    except BituneError:
-        raise
-    except (ValueError, TypeError) as e:  # bad JSON, not an object, unknown keys, a field of the wrong type or value
-        raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ValueError(f"checkpoint file missing: {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
-
-
-def _load_strict(module: nn.Module, state: dict, path: Path) -> None:
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{path} does not match this model: {e}") from e
-
-
-def _load_strict_dict(params: nn.ParameterDict, state: dict, path: Path) -> None:
-    if set(state) != set(params.keys()):
-        raise ValueError(f"{path} does not match this model: different tensor names")
-    with torch.no_grad():
-        for k, p in params.items():
-            if state[k].shape != p.shape:
-                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
-            p.copy_(state[k])
-
-
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, A) float32 log-probability of each token ``ids[:, t]`` under ``logits[:, t]`` (B, A, V); 0 where ``mask``
     is 0."""

@@ -127,11 +127,43 @@ def token_labels(tokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i]).replace(" ", "␣").replace("\n", "\\n") or str(i) for i in ids]
 
 
+@torch.no_grad()
+def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Attention of each prompt pass of a BituneModel, averaged over layers and heads (paper A.12).
+
+    Each pass runs once more with eager attention (the only implementation that returns attention weights).
+
+    Args:
+        prompt_ids, prompt_mask: (B, P) left-padded prompts, at least 2 real tokens each.
+
+    Returns:
+        ``{"<weights>/<mask>": (B, T, T)}`` per pass over the prompt without its last token; row = query.
+    """
+    from .masks import pass_mask, position_ids
+
+    ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
+    if ids.shape[1] < 1 or not mask[:, -1].bool().all():
+        raise ValueError("prompts must be left-padded and hold at least 2 tokens")
+    base = model.weights.base
+    impl, dtype = base.config._attn_implementation, next(base.parameters()).dtype
+    base.set_attn_implementation("eager")
+    try:
+        maps = {}
+        for weights, kind in model.config.passes:
+            attn = pass_mask(mask, kind, dtype, model.text_config, "eager")
+            out = model.weights.call(weights, input_ids=ids, attention_mask=attn, output_attentions=True,
+                                     position_ids=position_ids(mask), logits_to_keep=1)
+            maps[f"{weights}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
+        return maps
+    finally:
+        base.set_attn_implementation(impl)
+
+
 def attention_figure(maps: dict[str, torch.Tensor], labels: list[str] | None = None, max_labels: int = 40):
     """Side-by-side heatmaps of (T, T) attention maps (row = query token, column = key token).
 
     Args:
-        maps: ``{"<weights>/<mask>": (T, T)}`` as :meth:`BituneModel.attention_maps` returns them (one row).
+        maps: ``{"<weights>/<mask>": (T, T)}`` as :func:`attention_maps` returns them (one row).
         labels: the T token labels, drawn on both axes when T <= ``max_labels``.
     """
     from matplotlib.figure import Figure
@@ -165,7 +197,7 @@ def plot_attention(model, tokenizer, prompt: str, output_dir: str | Path, templa
 
     text, special = render(tokenizer, prompt, template)
     ids, mask = encode(tokenizer, [text], special, next(model.parameters()).device)  # (1, P)
-    maps = {name: m[0] for name, m in model.attention_maps(ids, mask).items()}  # (T, T) each, T = P - 1
+    maps = {name: m[0] for name, m in attention_maps(model, ids, mask).items()}  # (T, T) each, T = P - 1
     fig = attention_figure(maps, token_labels(tokenizer, ids[0, :-1].tolist()), max_labels)
     return _save(fig, output_dir, ATTENTION_FILE)
 
@@ -210,9 +242,10 @@ def run(args: argparse.Namespace) -> int:
     if args.figure == "mixing":
         paths = plot_mixing(args.log, args.output)
     else:
-        from .generate import load, pick_template
+        from .checkpoint import load_bitune
+        from .generate import pick_template
 
-        model, tokenizer = load(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
+        model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
         template, why = pick_template(model, tokenizer, args.template)
         print(f"bitune plot: {template} template ({why})", file=sys.stderr)
         paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]

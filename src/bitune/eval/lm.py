@@ -42,26 +42,6 @@ from ..model import BituneModel, token_logprobs
 Request = tuple[tuple[str, str], list[int], list[int]]
 
 
-def load_for_eval(checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
-                  dtype: str | torch.dtype = "float32", device: str = "cpu", prompt_passes: str = "auto"):
-    """Load a Bitune checkpoint (or a base model as the ``pretrained`` variant) and its tokenizer.
-
-    Args:
-        checkpoint: a folder written by ``BituneModel.save_pretrained``.
-        pretrained: a base model name or folder, evaluated as the ``pretrained`` variant.
-        base: with ``checkpoint``, the base model to use instead of the one the checkpoint records.
-        dtype: parameter dtype name. Default float32.
-        device: torch device. Default cpu.
-        prompt_passes: how the prompt passes run (``bitune.model.PROMPT_PASSES``).
-
-    Returns:
-        ``(BituneModel, tokenizer)``, the model in eval mode on ``device``.
-    """
-    from ..hub import load_bitune
-
-    return load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes)
-
-
 @register_model("bitune")
 class BituneLM(TemplateLM):
     """lm-eval model type ``bitune``.
@@ -80,7 +60,9 @@ class BituneLM(TemplateLM):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
-            model, tokenizer = load_for_eval(checkpoint, pretrained, base, dtype, device, prompt_passes)
+            from ..checkpoint import load_bitune
+
+            model, tokenizer = load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes)
         elif tokenizer is None:
             raise BituneError("BituneLM(model=...) also needs tokenizer=")
         self.model = model.eval()

@@ -32,7 +32,8 @@ from transformers.trainer_pt_utils import safe_globals
 
 from ..errors import BituneError
 from ..files import replace_dir, write_text_atomic
-from ..model import BituneModel, read_config
+from ..checkpoint import read_config
+from ..model import BituneModel
 from .run_folder import (CHECKPOINT_PREFIX, FINAL_DIR, LOG_FILE, SETTINGS_FILE, STATE_FILE, TB_DIR,
                          check_run_folder, checkpoint_step, checkpoints, clear_run, run_lock)
 from .settings import TrainSettings

@@ -1,0 +1,202 @@
+"""Checkpoints of a :class:`~bitune.model.BituneModel`: save, load, read the config, load "a checkpoint or a base
+model" with its tokenizer.
+
+A checkpoint folder holds ``bitune_config.json`` (:class:`~bitune.config.BituneConfig`: what was trained, never how
+the passes run), ``mixer.safetensors`` (the thetas, for mixing variants) and one folder per weight set: PEFT's own
+adapter format (``adapter_config.json`` + ``adapter_model.safetensors``, loadable by plain PEFT) or, for full
+fine-tuning, a transformers model folder (``causal/``) and the bidir copy (``bidir/model.safetensors``). No pickles.
+It is written into a temporary folder and renamed into place, so an existing checkpoint is never left
+half-overwritten; loading is strict (every tensor must match).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import PROMPT_PASSES, BituneConfig
+from .errors import BituneError
+from .files import apply_umask, read_text, replace_dir
+from .model import BituneModel
+
+CONFIG_FILE = "bitune_config.json"
+MIXER_FILE = "mixer.safetensors"
+FULL_FILE = "model.safetensors"
+
+
+def save(model: BituneModel, directory: str | os.PathLike) -> None:
+    """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    config, weights = model.config, model.weights
+    try:
+        (tmp / CONFIG_FILE).write_text(config.to_json())
+        if model.mixer is not None:
+            save_file({k: p.detach().cpu().contiguous() for k, p in model.mixer.state_dict().items()},
+                      str(tmp / MIXER_FILE))
+        if weights.peft:
+            weights.model.save_pretrained(str(tmp), selected_adapters=list(config.weight_sets))
+            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
+        elif config.method == "full" and config.weight_sets:
+            weights.model.save_pretrained(str(tmp / "causal"), max_shard_size="1000GB")
+            if "bidir" in config.weight_sets:
+                (tmp / "bidir").mkdir()
+                save_file({k: p.detach().cpu().contiguous() for k, p in weights.bidir.items()},
+                          str(tmp / "bidir" / FULL_FILE))
+        apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
+        replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load(directory: str | os.PathLike, base: nn.Module | str | None = None, prompt_passes: str = "auto",
+         **load_kwargs) -> BituneModel:
+    """Load a checkpoint written by :func:`save`.
+
+    Args:
+        directory: the checkpoint folder.
+        base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
+        prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice).
+        load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
+    """
+    directory = Path(directory)
+    config = read_config(directory)
+    if base is None or isinstance(base, str):
+        from .hub import load_model
+
+        name = base or config.base_model
+        if not name:
+            raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
+        base, _ = load_model(name, **load_kwargs)
+    model = BituneModel(base, config, prompt_passes)
+    load_weights(model, directory)
+    return model
+
+
+def load_weights(model: BituneModel, directory: str | os.PathLike) -> None:
+    """Load trained weights from a checkpoint folder into ``model``, strictly (every tensor must match)."""
+    directory = Path(directory)
+    if model.mixer is not None:
+        state = _read_safetensors(directory / MIXER_FILE)
+        try:
+            model.mixer.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"{directory / MIXER_FILE} does not match this model: {e}") from e
+    weights = model.weights
+    for name in model.config.weight_sets:
+        params = weights.parameters_of(name)
+        if weights.peft:
+            from peft.utils import set_peft_model_state_dict
+
+            path = directory / name / "adapter_model.safetensors"
+            state = _read_safetensors(path)
+            try:
+                result = set_peft_model_state_dict(weights.model, state, adapter_name=name)
+            except RuntimeError as e:
+                raise ValueError(f"{path} does not match this model/config: {str(e).splitlines()[-1]}") from e
+            if result.unexpected_keys:
+                raise ValueError(f"{path}: unexpected tensors {result.unexpected_keys[:3]}: "
+                                 "the checkpoint does not match this model/config")
+            if len(state) != len(params):
+                raise ValueError(f"{path}: holds {len(state)} tensors, this model expects {len(params)}: "
+                                 "the checkpoint does not match this model/config")
+        elif name == "causal":
+            path = directory / "causal" / FULL_FILE
+            state = _read_safetensors(path)
+            missing, unexpected = weights.model.load_state_dict(state, strict=False)
+            if unexpected or [k for k in missing if k in params]:
+                raise ValueError(f"{path}: does not match this model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+        else:
+            path = directory / "bidir" / FULL_FILE
+            _copy_exactly(weights.bidir, _read_safetensors(path), path)
+
+
+def read_config(directory: str | os.PathLike) -> BituneConfig:
+    """The :class:`BituneConfig` a checkpoint folder records.
+
+    Older checkpoints still load: one written before templates were recorded was trained with ``paper``; one
+    written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a runtime choice now).
+    """
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing")
+    try:
+        data = json.loads(read_text(path, "Bitune config"))
+        if isinstance(data, dict):
+            data.setdefault("template", "paper")
+            data.pop("prompt_passes", None)
+        return BituneConfig.from_dict(data)
+    except BituneError:
+        raise
+    except (ValueError, TypeError) as e:  # bad JSON, not an object, unknown keys, a field of the wrong type or value
+        raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
+
+
+def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
+                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
+    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+
+    What ``bitune generate``, ``chat``, ``plot`` and ``eval`` load.
+
+    Args:
+        checkpoint: a folder written by :func:`save`.
+        model: a base model name or folder (instead of ``checkpoint``).
+        base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
+        dtype: parameter dtype. Default float32.
+        device: torch device; default cuda if available, else cpu.
+        prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
+
+    Returns:
+        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
+    """
+    from .hub import check_dtype, load_model, resolve_device
+
+    if (checkpoint is None) == (model is None):
+        raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    if prompt_passes not in PROMPT_PASSES:
+        raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
+    device = resolve_device(device)
+    check_dtype(dtype)
+    if checkpoint is not None:
+        name = base or read_config(Path(checkpoint)).base_model
+        if not name:
+            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
+        hf_model, tokenizer = load_model(name, dtype=dtype)
+        bitune = load(checkpoint, base=hf_model, prompt_passes=prompt_passes)
+    else:
+        hf_model, tokenizer = load_model(model, dtype=dtype)
+        bitune = BituneModel(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)
+    return bitune.to(device).eval(), tokenizer
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ValueError(f"checkpoint file missing: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
+
+
+def _copy_exactly(params: nn.ParameterDict, state: dict, path: Path) -> None:
+    if set(state) != set(params.keys()):
+        raise ValueError(f"{path} does not match this model: different tensor names")
+    with torch.no_grad():
+        for k, p in params.items():
+            if state[k].shape != p.shape:
+                raise ValueError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state[k])
+
+
+__all__ = ["CONFIG_FILE", "MIXER_FILE", "save", "load", "load_weights", "read_config", "load_bitune"]

@@ -1,0 +1,126 @@
+"""Reading a prompt (paper eq. 1-5): one prompt pass, or all prompt passes batched as one forward.
+
+A prompt pass runs the model over prompt tokens with one weight set and one mask kind and keeps only its KV
+cache, cut short right after the last layer's keys/values (:class:`bitune.cache.PromptCache`): only K/V reach
+the answer. :func:`read_pass` is one pass; :func:`read_passes_batched` runs n passes as one forward over n*B
+rows, row block i with pass i's weights (LoRA routing per row) and mask. Both may read on top of a conversation
+so far (:class:`Prefill`): the new tokens then also see every real token already cached, and
+:func:`continue_conversation` prepares the tokens that continue it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import cache as kv
+from .masks import concat_masks, pass_mask, position_ids
+
+
+@dataclass
+class Prefill:
+    """A prompt read by the prompt passes, ready for an answer pass (or the state of a conversation).
+
+    Attributes:
+        cache: KV cache of the tokens read so far, mixed where the variant mixes.
+        ids: (B, T) the token ids in the cache.
+        mask: (B, T) attention mask of the cached tokens.
+        last_token: (B, 1) the token that opens the next answer pass (not yet in the cache).
+    """
+
+    cache: object
+    ids: torch.Tensor
+    mask: torch.Tensor
+    last_token: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> "Prefill":
+        """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
+        return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
+
+
+def read_pass(model, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
+              history: Prefill | None = None):
+    """One prompt pass; returns its KV cache (per layer (B, n_kv, T_history + T, hs)).
+
+    Args:
+        model: the :class:`~bitune.model.BituneModel`.
+        ids, mask: (B, T) left-padded tokens the pass reads.
+        weight_set: ``"causal"`` or ``"bidir"``.
+        kind: the mask, one of ``bitune.config.PASS_MASKS``.
+        history: a conversation so far; a copy of its cache is extended (the original is untouched).
+    """
+    cache, attn, positions = _start(model, ids, mask, [kind], history)
+    try:
+        model.weights.call(weight_set, input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
+                           use_cache=True, logits_to_keep=1)
+    except kv.PassComplete:
+        pass
+    kv.detach_stop(cache)
+    return cache
+
+
+def read_passes_batched(model, ids: torch.Tensor, mask: torch.Tensor, passes: tuple[tuple[str, str], ...],
+                        history: Prefill | None = None) -> list:
+    """n prompt passes as one forward over n*B rows; returns one KV cache per pass, as :func:`read_pass` would.
+
+    Args:
+        passes: ``(weight set, mask kind)`` per pass (``BituneConfig.passes``); the weight sets must be
+            routable per row (:meth:`bitune.adapters.WeightSets.can_route`).
+    """
+    B = ids.shape[0]
+    rows_ids, rows_mask = ids.repeat(len(passes), 1), mask.repeat(len(passes), 1)  # (nB, T): block i is pass i
+    cache, attn, positions = _start(model, rows_ids, rows_mask, [k for _, k in passes], history)
+    try:
+        model.weights.call_rows([w for w, _ in passes for _ in range(B)], input_ids=rows_ids, attention_mask=attn,
+                                position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+    except kv.PassComplete:
+        pass
+    kv.detach_stop(cache)
+    return kv.split_rows(cache, [B] * len(passes))
+
+
+def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
+                          text_config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens prompt passes read to continue ``past`` with a new prompt (without its last token).
+
+    The token that ended the previous answer is not in ``past.cache`` yet (``past.last_token``): it comes first.
+
+    Args:
+        past: the conversation so far, ``B`` rows.
+        ids, mask: (B, T) the new prompt without its last token.
+
+    Returns:
+        (B, 1 + T) ids and mask.
+    """
+    if past.ids.shape[0] != ids.shape[0]:
+        raise ValueError(f"past holds {past.ids.shape[0]} rows, the prompt batch {ids.shape[0]}")
+    window = getattr(text_config, "sliding_window", None)
+    if window and past.ids.shape[1] + ids.shape[1] + 1 >= window:
+        raise ValueError(f"this model has sliding-window layers ({window} tokens); a history this long "
+                         "cannot be extended: re-read it whole (chat mode 'recompute')")
+    ids = torch.cat([past.last_token, ids], dim=1)  # (B, 1 + T)
+    mask = torch.cat([torch.ones_like(past.last_token), mask], dim=1)
+    return ids, mask
+
+
+def _start(model, ids: torch.Tensor, mask: torch.Tensor, kinds: list[str], history: Prefill | None):
+    """The cache a forward over ``ids`` (n groups of rows, group g with mask ``kinds[g]``) extends, its 4D mask
+    and its position ids."""
+    model.check_no_checkpointing()
+    rows = torch.arange(ids.shape[0], device=ids.device) % (history.mask.shape[0] if history is not None else 1)
+    cache = kv.extendable_copy(history.cache if history is not None else None, model.text_config, rows,
+                               stop_after_layer=model.num_layers - 1)
+    past_mask = history.mask[rows] if history is not None else None  # (nB, T_history)
+    base = model.weights.base
+    dtype, impl = next(base.parameters()).dtype, base.config._attn_implementation
+    group = ids.shape[0] // len(kinds)
+    attn = concat_masks([
+        pass_mask(mask[g * group:(g + 1) * group], kind, dtype, model.text_config, impl,
+                  past_mask[g * group:(g + 1) * group] if past_mask is not None else None)
+        for g, kind in enumerate(kinds)])
+    offset = past_mask.sum(1) if past_mask is not None else None
+    return cache, attn, position_ids(mask, offset)
+
+
+__all__ = ["Prefill", "read_pass", "read_passes_batched", "continue_conversation"]
