@@ -1,27 +1,126 @@
 """The two weight sets of a Bitune model ("causal" and "bidir") on one Hugging Face model.
 
-PEFT methods (LoRA, DoRA, IA3) keep both sets as named adapters of one PeftModel and switch the active one
-per pass without touching ``requires_grad`` (PEFT's ``set_adapter`` would freeze the inactive adapter and
-silently drop its gradient). Full fine-tuning keeps the model's own weights as the causal set and a second
-full copy, applied with ``torch.func.functional_call``, as the bidir set. This is the only module that
-touches PEFT internals.
+PEFT methods (LoRA, DoRA, IA3) keep both sets as named adapters of one PeftModel, in PEFT's own format. The
+causal adapter is PEFT's active adapter at all times, so a plain forward (and transformers' ``generate``) runs
+the causal weights. A forward with the bidir weights, or with different weights on different rows or positions
+(the batched and fused paths), is computed explicitly for plain LoRA: :func:`routed` makes each LoRA layer
+compute :func:`routed_lora_forward` for the length of one forward. DoRA and IA3 cannot be routed; their bidir
+passes switch PEFT's active adapter with its public ``set_adapter`` (:meth:`WeightSets._switched_to`). Full
+fine-tuning keeps the model's own weights as the causal set and a second full copy, applied with
+``torch.func.functional_call``, as the bidir set.
+
+This is the only module that touches PEFT's layers: :func:`routed` is the only place that changes how a PEFT
+LoRA layer computes.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .config import BituneConfig
 
 WEIGHT_SETS = ("causal", "bidir")
+
+
+@dataclass
+class Routing:
+    """Which adapter each block of rows (``dim=0``) or positions (``dim=1``) of a forward uses.
+
+    Attributes:
+        blocks: ``(adapter name, size)`` in order; the sizes add up to the batch size (rows) or the sequence
+            length (positions).
+        dim: 0 for rows, 1 for positions.
+    """
+
+    blocks: list[tuple[str, int]]
+    dim: int = 0
+    _gates: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def names(self) -> list[str]:
+        """The adapters used, in order of first use."""
+        return list(dict.fromkeys(name for name, _ in self.blocks))
+
+    def gate(self, layer: LoraLinear, like: torch.Tensor) -> torch.Tensor:
+        """(rows, 1, sets * r) or (positions, sets * r): each block's scaling on its own adapter's r columns, 0 on
+        the others. Cached per (ranks, scalings, dtype, device): one gate serves every layer of the same shape."""
+        names = self.names
+        ranks = tuple(layer.r[n] for n in names)
+        scales = tuple(layer.scaling[n] for n in names)
+        key = (ranks, scales, like.dtype, like.device)
+        if key not in self._gates:
+            cols = torch.tensor([i for i, r in enumerate(ranks) for _ in range(r)], device=like.device)  # (sets*r,)
+            owner = torch.tensor([names.index(n) for n, size in self.blocks for _ in range(size)],
+                                 device=like.device)  # (N,)
+            scale = torch.tensor([scales[i] for i in cols.tolist()], dtype=like.dtype, device=like.device)
+            g = (owner[:, None] == cols[None, :]).to(like.dtype) * scale  # (N, sets * r)
+            self._gates[key] = g[:, None, :] if self.dim == 0 else g
+        return self._gates[key]
+
+
+def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *args, **kwargs) -> torch.Tensor:
+    """What a LoRA layer computes when each block of rows or positions of ``x`` uses its own adapter.
+
+    With one adapter this is PEFT's own LoRA forward: ``base(x) + B(A(dropout(x))) * scaling``. With several,
+    the frozen base projection runs once over everything, then all adapters' low-rank updates in two matrix
+    products: ``x [A_1; A_2]^T`` (B, T, sets * r) is gated so that each block keeps only its own adapter's r
+    columns (times that adapter's scaling), then multiplied by ``[B_1, B_2]``. That costs as many operations as
+    one adapter, with gradients to every adapter.
+
+    Args:
+        layer: a PEFT LoRA ``Linear`` (not merged).
+        x: (B, T, d_in) the layer's input.
+        routing: the adapter of each block.
+
+    Returns:
+        (B, T, d_out), in the base projection's dtype.
+    """
+    result = layer.base_layer(x, *args, **kwargs)  # (B, T, d_out)
+    names = routing.names
+    if len(names) == 1:
+        n = names[0]
+        x = x.to(layer.lora_A[n].weight.dtype)
+        return (result + layer.lora_B[n](layer.lora_A[n](layer.lora_dropout[n](x))) * layer.scaling[n]).to(result.dtype)
+    weight_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sets * r, d_in)
+    weight_b = torch.cat([layer.lora_B[n].weight for n in names], dim=1)  # (d_out, sets * r)
+    x = layer.lora_dropout[names[0]](x.to(weight_a.dtype))  # one dropout: every set has the same p
+    h = F.linear(x, weight_a)  # (B, T, sets * r)
+    return result + F.linear(h * routing.gate(layer, h), weight_b).to(result.dtype)
+
+
+@contextmanager
+def routed(layers: list[LoraLinear], routing: Routing) -> Iterator[None]:
+    """Within this block every layer of ``layers`` computes :func:`routed_lora_forward` with ``routing``.
+
+    The layer's ``forward`` is overridden on the instance and the override removed on exit (PEFT's own state,
+    its active adapter and ``requires_grad`` flags, is never changed).
+    """
+    for layer in layers:
+        if layer.merged:
+            raise ValueError("merged LoRA weights cannot be routed per row or position; unmerge them")
+    try:
+        for layer in layers:
+            layer.forward = _bound(layer, routing)
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+def _bound(layer: LoraLinear, routing: Routing):
+    def forward(x, *args, **kwargs):
+        return routed_lora_forward(layer, x, routing, *args, **kwargs)
+    return forward
 
 
 def _peft_config(config: BituneConfig, model: nn.Module):
@@ -48,6 +147,8 @@ class WeightSets(nn.Module):
         self.method = config.method
         self.names = config.weight_sets
         self.bidir = nn.ParameterDict()
+        self._lora_layers: list[LoraLinear] = []
+        self._tuner_layers: list[BaseTunerLayer] = []
         for p in model.parameters():
             p.requires_grad_(False)
         if not self.names or config.method == "full":
@@ -73,9 +174,10 @@ class WeightSets(nn.Module):
                              f"({type(model).__name__}): {e}") from e
         if "bidir" in self.names:
             self.model.add_adapter("bidir", peft_config)
-        self.model.base_model.set_requires_grad(list(self.names), True)
+        self.model.set_adapter("causal")  # the causal weights are what a plain forward runs
+        self.model.set_requires_grad(list(self.names), True)  # set_adapter froze the other adapter
         self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        self._use_adapter("causal")
+        self._lora_layers = [m for m in self._tuner_layers if isinstance(m, LoraLinear)]
 
     @property
     def peft(self) -> bool:
@@ -86,75 +188,65 @@ class WeightSets(nn.Module):
         """The underlying transformers model (with PEFT layers injected, if any)."""
         return self.model.get_base_model() if self.peft else self.model
 
-    def can_route_rows(self, names: list[str]) -> bool:
-        """Whether one forward can apply different weight sets to different rows or positions (plain LoRA,
-        or one set)."""
-        return len(set(names)) == 1 or (self.method == "lora" and self.peft and all(
-            isinstance(layer, LoraLinear) for layer in self._tuner_layers))
+    @property
+    def routable(self) -> bool:
+        """Whether different weight sets can run on different rows or positions of one forward (plain LoRA)."""
+        return (self.method == "lora" and self.peft and bool(self._lora_layers)
+                and len(self._lora_layers) == len(self._tuner_layers))
+
+    def can_route(self, names: list[str]) -> bool:
+        """Whether one forward can apply these weight sets to different rows or positions (plain LoRA, or one
+        set)."""
+        return len(set(names)) == 1 or self.routable
+
+    def call(self, name: str, **kwargs):
+        """Run the model with weight set ``name`` (``"causal"`` or ``"bidir"``)."""
+        if name not in WEIGHT_SETS:
+            raise ValueError(f"unknown weight set {name!r}; allowed: {WEIGHT_SETS}")
+        if name == "causal" or name not in self.names:
+            return self.model(**kwargs)  # the causal weights are always PEFT's active adapter
+        if self.method == "full":
+            params = {k.replace("__", "."): p for k, p in self.bidir.items()}
+            return torch.func.functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
+        if self.routable:
+            with routed(self._lora_layers, Routing([(name, 1)])):
+                return self.model(**kwargs)
+        with self._switched_to(name):
+            return self.model(**kwargs)
 
     def call_rows(self, names: list[str], **kwargs):
         """Run one forward whose row r uses weight set ``names[r]``."""
-        return self._call_routed([(name, 1) for name in names], 0, kwargs)
+        return self._call_routed(Routing([(name, 1) for name in names], dim=0), kwargs)
 
     def call_segments(self, segments: list[tuple[str, int]], **kwargs):
         """Run one forward whose input positions are split into ``(weight set, length)`` segments, in order."""
-        return self._call_routed(segments, 1, kwargs)
+        return self._call_routed(Routing(list(segments), dim=1), kwargs)
 
-    def _call_routed(self, blocks: list[tuple[str, int]], dim: int, kwargs):
-        """One forward where each block of rows (dim 0) or positions (dim 1) uses its own weight set.
-
-        Each LoRA layer computes its frozen base projection once over everything, then all sets' low-rank
-        updates in two matrix products over everything: ``x [A_1; A_2]^T`` is gated so that each block keeps
-        only its own set's r columns (times that set's scaling), then multiplied by ``[B_1, B_2]``. That costs
-        as many operations as one adapter, with gradients to every set.
-        """
-        merged: list[tuple[str, int]] = []  # neighbouring blocks of one weight set become one
-        for name, size in blocks:
-            if merged and merged[-1][0] == name:
-                merged[-1] = (name, merged[-1][1] + size)
-            else:
-                merged.append((name, size))
-        names = list(dict.fromkeys(name for name, _ in merged))
-        if len(names) == 1:
+    def _call_routed(self, routing: Routing, kwargs):
+        names = [n if n in self.names else "causal" for n in routing.names]  # a set the variant lacks: causal
+        routing.blocks = [(n if n in self.names else "causal", size) for n, size in routing.blocks]
+        if len(set(names)) == 1:
             return self.call(names[0], **kwargs)
-        if not self.can_route_rows(names):
+        if not self.can_route(names):
             raise ValueError(f"method {self.method!r} cannot mix weight sets within one forward")
-        gates: dict[tuple, torch.Tensor] = {}
-
-        def gate(layer, like: torch.Tensor) -> torch.Tensor:
-            """(rows or positions, 1, sets * r) or (positions, sets * r): each block's scaling on its own set."""
-            ranks = tuple(layer.r[n] for n in names)
-            scales = tuple(layer.scaling[n] for n in names)
-            key = (ranks, scales, like.dtype, like.device)
-            if key not in gates:
-                cols = torch.tensor([i for i, r in enumerate(ranks) for _ in range(r)], device=like.device)
-                owner = torch.tensor([names.index(n) for n, size in merged for _ in range(size)], device=like.device)
-                scale = torch.tensor([scales[i] for i in cols.tolist()], dtype=like.dtype, device=like.device)
-                g = (owner[:, None] == cols[None, :]).to(like.dtype) * scale  # (N, sets * r)
-                gates[key] = g[:, None, :] if dim == 0 else g
-            return gates[key]
-
-        def add_updates(layer, args, output):
-            weight_a = torch.cat([layer.lora_A[n].weight for n in names])  # (sets * r, d_in)
-            weight_b = torch.cat([layer.lora_B[n].weight for n in names], dim=1)  # (d_out, sets * r)
-            x = layer.lora_dropout[names[0]](args[0].to(weight_a.dtype))  # one dropout (all sets share p)
-            h = F.linear(x, weight_a)  # (..., sets * r)
-            return output + F.linear(h * gate(layer, h), weight_b).to(output.dtype)
-
-        lora_layers = [layer for layer in self._tuner_layers if isinstance(layer, LoraLayer)]
-        handles = [layer.register_forward_hook(add_updates) for layer in lora_layers]
-        for layer in lora_layers:
-            layer._active_adapter = []  # the layer itself computes the base projection only
-        try:
+        with routed(self._lora_layers, routing):
             return self.model(**kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-            self._use_adapter("causal")
 
-    def _use_adapter(self, name: str) -> None:
-        for layer in self._tuner_layers:
-            layer._active_adapter = [name]
+    @contextmanager
+    def _switched_to(self, name: str) -> Iterator[None]:
+        """PEFT's active adapter is ``name`` within this block (DoRA, IA3: layers that cannot be routed).
+
+        PEFT's public ``set_adapter`` also sets ``requires_grad`` (only the active adapter trainable); every flag is
+        put back afterwards, so both sets stay trainable and bidir weights frozen at wrap time stay frozen.
+        """
+        flags = [(p, p.requires_grad) for p in self.model.parameters()]
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter("causal")
+            for p, flag in flags:
+                p.requires_grad_(flag)
 
     def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         """Trainable parameters of one weight set, by name (empty if the set does not exist)."""
@@ -174,18 +266,3 @@ class WeightSets(nn.Module):
                 elif entry is not None:
                     owned.update(id(p) for p in entry.parameters())
         return {k: p for k, p in self.model.named_parameters() if id(p) in owned}
-
-    def call(self, name: str, **kwargs):
-        """Run the model with weight set ``name`` (``"causal"`` or ``"bidir"``)."""
-        if name not in WEIGHT_SETS:
-            raise ValueError(f"unknown weight set {name!r}; allowed: {WEIGHT_SETS}")
-        if name == "bidir" and self.method == "full":
-            params = {k.replace("__", "."): p for k, p in self.bidir.items()}
-            return torch.func.functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
-        if self.peft:
-            self._use_adapter(name if name in self.names else "causal")
-            try:
-                return self.model(**kwargs)
-            finally:
-                self._use_adapter("causal")
-        return self.model(**kwargs)

@@ -101,9 +101,9 @@ class BituneModel(nn.Module):
         if answer and self.config.single_pass:
             return "single"
         names = [w for w, _ in self.config.passes]
-        if answer and self.prompt_passes in ("auto", "fused") and self.weights.can_route_rows(names + ["causal"]):
+        if answer and self.prompt_passes in ("auto", "fused") and self.weights.can_route(names + ["causal"]):
             return "fused"
-        if len(names) == 2 and self.prompt_passes != "sequential" and self.weights.can_route_rows(names):
+        if len(names) == 2 and self.prompt_passes != "sequential" and self.weights.can_route(names):
             return "batched"
         return "sequential"
 
@@ -269,8 +269,6 @@ class BituneModel(nn.Module):
         pre = self.prefill(prompt_ids, prompt_mask, past)
         if stop_strings:
             generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
-        if self.weights.peft:
-            self.weights._use_adapter("causal")
         input_ids = torch.cat([pre.ids, pre.last_token], dim=1)  # (B, T+1); all but the last are cached
         attention_mask = torch.cat([pre.mask, torch.ones_like(pre.last_token)], dim=1)
         out = self.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=pre.cache,
