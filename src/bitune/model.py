@@ -31,6 +31,7 @@ from . import cache as kv
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .fused import fused_logits
+from .inputs import check_answer, check_architecture, check_ids, check_prompt
 from .masks import position_ids
 from .mixer import Mixer
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
@@ -60,7 +61,7 @@ class BituneModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
-        _check_architecture(model)
+        check_architecture(model)
         self.config = config
         self.prompt_passes = prompt_passes
         self.weights = WeightSets(model, config)
@@ -148,15 +149,6 @@ class BituneModel(nn.Module):
                 p.requires_grad_(False)
 
     # ----------------------------------------------------------------------------------------------- passes
-    def _check_ids(self, *ids: torch.Tensor) -> None:
-        vocab = self.weights.base.get_input_embeddings().num_embeddings
-        for t in ids:
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise ValueError(f"token ids must be integers, got {t.dtype}")
-            if t.numel() and (t.min() < 0 or t.max() >= vocab):
-                raise ValueError(f"token ids must be integers in [0, {vocab}) for this model; got ids in "
-                                 f"[{t.min().item()}, {t.max().item()}]")
-
     def check_no_checkpointing(self) -> None:
         """Refuse gradient checkpointing in training: it would drop the prompt caches the answer reads."""
         if getattr(self.weights.base, "is_activation_checkpointing", False) and self.training:
@@ -178,8 +170,8 @@ class BituneModel(nn.Module):
                 top of it with both passes (the paper's "alternating" multi-turn mode, A.8) after the token
                 that ended the previous answer.
         """
-        _check_prompt(prompt_ids, prompt_mask)
-        self._check_ids(prompt_ids)
+        check_prompt(prompt_ids, prompt_mask)
+        check_ids(self.weights.base, prompt_ids)
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
         if past is not None:
             ids, mask = continue_conversation(past, ids, mask, self.text_config)  # (B, P)
@@ -216,9 +208,9 @@ class BituneModel(nn.Module):
             answer_ids: (B, A) right-padded answer ids, eos included (at least 1 real token each).
             answer_mask: (B, A) 1 for real answer tokens.
         """
-        _check_prompt(prompt_ids, prompt_mask)
-        _check_answer(prompt_ids, answer_ids, answer_mask)
-        self._check_ids(prompt_ids, answer_ids)
+        check_prompt(prompt_ids, prompt_mask)
+        check_answer(prompt_ids, answer_ids, answer_mask)
+        check_ids(self.weights.base, prompt_ids, answer_ids)
         path = self.execution()
         if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
@@ -302,7 +294,7 @@ class BituneModel(nn.Module):
         load_weights(self, directory)
 
 
-# --------------------------------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------------------------------- loss
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, A) float32 log-probability of each token ``ids[:, t]`` under ``logits[:, t]`` (B, A, V); 0 where ``mask``
     is 0."""
@@ -314,39 +306,3 @@ def _answer_loss(logits: torch.Tensor, answer_ids: torch.Tensor, answer_mask: to
     logp = token_logprobs(logits, answer_ids, answer_mask)  # (B, A)
     example_loss = -logp.sum(1) / answer_mask.to(torch.float32).sum(1)  # (B,)
     return BituneOutput(loss=example_loss.mean(), logits=logits, token_logprobs=logp, example_loss=example_loss)
-
-
-def _check_architecture(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generate"):
-        raise ValueError(f"{type(model).__name__} is not a transformers causal LM (no config / generate)")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Bitune needs a decoder-only LM")
-    text = config.get_text_config()
-    if not getattr(text, "num_hidden_layers", None):
-        raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers; unsupported architecture")
-
-
-def _check_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
-        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
-                         "must both be (batch, prompt_len)")
-    if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] < 2:
-        raise ValueError(f"prompts must hold at least 2 tokens, got shape {tuple(prompt_ids.shape)}")
-    if (prompt_mask.diff(dim=1) < 0).any() or not prompt_mask[:, -1].bool().all():
-        raise ValueError("prompts must be left-padded: prompt_mask must be 0...0 1...1 in every row")
-    if (prompt_mask.sum(1) < 2).any():
-        rows = (prompt_mask.sum(1) < 2).nonzero().flatten().tolist()
-        raise ValueError(f"prompt rows {rows} have fewer than 2 real tokens (the last one opens the answer)")
-
-
-def _check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> None:
-    if answer_ids.dim() != 2 or answer_mask.shape != answer_ids.shape:
-        raise ValueError(f"answer_ids {tuple(answer_ids.shape)} and answer_mask {tuple(answer_mask.shape)} "
-                         "must both be (batch, answer_len)")
-    if answer_ids.shape[0] != prompt_ids.shape[0]:
-        raise ValueError(f"batch sizes differ: {prompt_ids.shape[0]} prompts, {answer_ids.shape[0]} answers")
-    if answer_ids.shape[1] == 0 or not answer_mask[:, 0].bool().all():
-        raise ValueError("every answer needs at least one real token (right-padded answer_mask)")
-    if (answer_mask.diff(dim=1) > 0).any():
-        raise ValueError("answers must be right-padded: answer_mask must be 1...1 0...0 in every row")

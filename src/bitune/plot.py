@@ -139,11 +139,11 @@ def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     Returns:
         ``{"<weights>/<mask>": (B, T, T)}`` per pass over the prompt without its last token; row = query.
     """
+    from .inputs import check_prompt
     from .masks import pass_mask, position_ids
 
+    check_prompt(prompt_ids, prompt_mask)
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
-    if ids.shape[1] < 1 or not mask[:, -1].bool().all():
-        raise ValueError("prompts must be left-padded and hold at least 2 tokens")
     base = model.weights.base
     impl, dtype = base.config._attn_implementation, next(base.parameters()).dtype
     base.set_attn_implementation("eager")

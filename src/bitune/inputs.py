@@ -1,0 +1,57 @@
+"""Checks of what a :class:`~bitune.model.BituneModel` is given: the wrapped model, and batches of left-padded
+prompts and right-padded answers. Each raises a ``ValueError`` that names the problem."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def check_ids(model: nn.Module, *ids: torch.Tensor) -> None:
+    """Token ids must be integers inside ``model``'s input embedding."""
+    vocab = model.get_input_embeddings().num_embeddings
+    for t in ids:
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"token ids must be integers, got {t.dtype}")
+        if t.numel() and (t.min() < 0 or t.max() >= vocab):
+            raise ValueError(f"token ids must be integers in [0, {vocab}) for this model; got ids in "
+                             f"[{t.min().item()}, {t.max().item()}]")
+
+
+def check_architecture(model: nn.Module) -> None:
+    """A decoder-only transformers causal LM with a number of layers."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} is not a transformers causal LM (no config / generate)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Bitune needs a decoder-only LM")
+    text = config.get_text_config()
+    if not getattr(text, "num_hidden_layers", None):
+        raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers; unsupported architecture")
+
+
+def check_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    """(B, P) left-padded prompts, each with at least 2 real tokens (the last one opens the answer)."""
+    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
+        raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
+                         "must both be (batch, prompt_len)")
+    if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] < 2:
+        raise ValueError(f"prompts must hold at least 2 tokens, got shape {tuple(prompt_ids.shape)}")
+    if (prompt_mask.diff(dim=1) < 0).any() or not prompt_mask[:, -1].bool().all():
+        raise ValueError("prompts must be left-padded: prompt_mask must be 0...0 1...1 in every row")
+    if (prompt_mask.sum(1) < 2).any():
+        rows = (prompt_mask.sum(1) < 2).nonzero().flatten().tolist()
+        raise ValueError(f"prompt rows {rows} have fewer than 2 real tokens (the last one opens the answer)")
+
+
+def check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> None:
+    """(B, A) right-padded answers, one per prompt, each with at least 1 real token."""
+    if answer_ids.dim() != 2 or answer_mask.shape != answer_ids.shape:
+        raise ValueError(f"answer_ids {tuple(answer_ids.shape)} and answer_mask {tuple(answer_mask.shape)} "
+                         "must both be (batch, answer_len)")
+    if answer_ids.shape[0] != prompt_ids.shape[0]:
+        raise ValueError(f"batch sizes differ: {prompt_ids.shape[0]} prompts, {answer_ids.shape[0]} answers")
+    if answer_ids.shape[1] == 0 or not answer_mask[:, 0].bool().all():
+        raise ValueError("every answer needs at least one real token (right-padded answer_mask)")
+    if (answer_mask.diff(dim=1) > 0).any():
+        raise ValueError("answers must be right-padded: answer_mask must be 1...1 0...0 in every row")
