@@ -25,7 +25,6 @@ from .errors import BituneError
 from .files import check_output_dir, write_text_atomic
 
 HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them (a smoke test)"
-MODEL = "smollm2-135m"
 TASK = "arc_easy"
 VARIANTS = ("pretrained", "lora", "bitune")
 STUDY = "results/smollm2-arc-csqa/README.md"
@@ -68,13 +67,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 400,
-               batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str = MODEL) -> dict:
+               batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str | None = None) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
     from .data.datasets import load_examples
     from .eval.cli import evaluate
     from .eval.lm import BituneLM
-    from .hub import load_model
+    from .hub import DEFAULT_MODEL, load_model
 
+    model_name = model_name or DEFAULT_MODEL
     t0 = time.time()
     print(f"quickstart: loading {model_name} and {TASK} (the first run downloads and converts them)")
     _, tokenizer = load_model(model_name)
@@ -123,29 +123,24 @@ def add_statistics(rows: dict[str, dict], correct: dict[str, np.ndarray]) -> Non
 
 def _trained(variant: str, out: Path, model_name: str, train: list, steps: int, batch_size: int, lr: float,
              seed: int):
-    """A fresh base model wrapped as ``variant``, fine-tuned unless it is the pretrained baseline."""
+    """A fresh base model wrapped as ``variant``, fine-tuned by ``bitune train``'s recipe unless it is the
+    pretrained baseline (on the first ``len(train)`` training questions, the ones :func:`quickstart` loaded)."""
     import transformers
 
-    from .data.collate import Collator
     from .hub import load_model
     from .model import BituneModel
-    from .data.collate import tokenize_dataset
+    from .train.recipe import train as run_recipe
     from .train.settings import TrainSettings
-    from .train.trainer import build_trainer, run_training
 
-    base, tokenizer = load_model(model_name)
-    transformers.set_seed(seed)
-    config = BituneConfig(variant=variant, base_model=model_name)
-    model = BituneModel.wrap(base, config)
     if variant == "pretrained":
-        return model.eval()
-    settings = TrainSettings(model=model_name, dataset=TASK, limit=len(train), max_length=256, bitune=config,
-                             lr=lr, steps=steps, batch_size=batch_size, grad_accum=1, seed=seed,
-                             log_every=max(1, steps // 10), output_dir=str(out / variant))
-    data, dropped = tokenize_dataset(tokenizer, train, settings.max_length)
-    trainer = build_trainer(model, settings, data, None, Collator(tokenizer.pad_token_id))
-    run_training(trainer, settings, first_log={"event": "data", "train_examples": len(data), "dropped": dropped})
-    return model.eval()
+        base, _ = load_model(model_name)
+        transformers.set_seed(seed)
+        return BituneModel.wrap(base, BituneConfig(variant=variant, base_model=model_name)).eval()
+    settings = TrainSettings(model=model_name, dataset=TASK, limit=len(train), max_length=256,
+                             bitune=BituneConfig(variant=variant), lr=lr, steps=steps, batch_size=batch_size,
+                             grad_accum=1, seed=seed, log_every=max(1, steps // 10), output_dir=str(out / variant))
+    result = run_recipe(settings)
+    return BituneModel.from_pretrained(result.final_dir).eval()
 
 
 def print_table(result: dict) -> None:
