@@ -20,8 +20,7 @@ from dist_helpers import HERE, torchrun, train_tiny
 from bitune import BituneModel
 from bitune.config import METHODS, VARIANTS, BituneConfig
 from bitune.errors import BituneError
-from bitune.train.settings import TrainSettings
-from bitune.train.trainer import LOG_FILE, checkpoints, training_arguments
+from bitune.train.trainer import LOG_FILE, checkpoints, ddp_kwargs
 
 TRAINABLE = [v for v in VARIANTS if v != "pretrained"]
 ACCELERATE_CONFIGS = HERE.parent / "configs" / "accelerate"
@@ -67,8 +66,7 @@ def test_every_trainable_parameter_gets_a_gradient(variant, method):
 
 
 def test_ddp_is_told_there_are_no_unused_parameters():
-    args = training_arguments(TrainSettings(model="tiny", dataset="tiny", output_dir="unused"), False, True)
-    assert args.ddp_find_unused_parameters is False
+    assert ddp_kwargs().find_unused_parameters is False
 
 
 @pytest.mark.slow

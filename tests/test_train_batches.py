@@ -62,12 +62,12 @@ def test_trainer_groups_batches_by_default_and_logs_padding(tmp_path):
     data = varied_samples()
     trainer, settings = make_trainer(tmp_path / "g", data=data, batch_size=4, grad_accum=1, steps=6, log_every=3)
     assert trainer.group_by_length
-    assert isinstance(trainer._get_train_sampler(), LengthGroupedSampler)
+    assert isinstance(trainer.train_sampler(), LengthGroupedSampler)
     run_training(trainer, settings)
     grouped = [r["padding_share"] for r in read_log(tmp_path / "g" / "run") if "loss" in r]
     plain, settings = make_trainer(tmp_path / "p", data=data, batch_size=4, grad_accum=1, steps=6, log_every=3,
                                    group_by_length=False)
-    assert not isinstance(plain._get_train_sampler(), LengthGroupedSampler)
+    assert not isinstance(plain.train_sampler(), LengthGroupedSampler)
     run_training(plain, settings)
     shuffled = [r["padding_share"] for r in read_log(tmp_path / "p" / "run") if "loss" in r]
     assert len(grouped) == len(shuffled) == 2
@@ -108,7 +108,7 @@ def _clip_once(tmp_path, clip: str) -> tuple[dict, dict]:
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.compute_loss(trainer.model, batch).backward()
     before = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}
-    trainer._clip_grad_norm(trainer.model)
+    trainer.clip_gradients()
     after = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}
     return before, after
 

@@ -4,7 +4,6 @@ kept, a diverged run writes no NaN weights, and a resumed run reports the loss o
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -148,5 +147,5 @@ def test_resumed_run_reports_the_loss_over_all_its_steps(tmp_path):
     assert got == pytest.approx(expected, rel=1e-6)
     summary = [r for r in read_log(tmp_path / "b" / "run") if "train_loss" in r]
     assert len(summary) == 1 and summary[0]["train_loss"] == pytest.approx(expected, rel=1e-6)
-    assert json.loads((tmp_path / "b" / "run" / "checkpoint-3" / "trainer_state.json").read_text())[
-        "log_history"][-1]["step"] == 3  # the checkpoint step is logged, though log_every is 4
+    # the checkpoint step is logged, though log_every is 4; the lines after it were replaced, not duplicated
+    assert [r["step"] for r in read_log(tmp_path / "b" / "run") if "loss" in r] == [3, 4, 6]

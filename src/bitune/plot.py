@@ -43,7 +43,7 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
     Returns:
         ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order, starting at step 0 with the initial
         ratio 0.5 of every layer (training logs start at step ``log_every``); where a step is logged twice
-        (Trainer's end-of-training summary repeats the last step), its last line counts.
+        (the end-of-training summary repeats the last step), its last line counts.
     """
     path = Path(path)
     if not path.is_file():

@@ -86,4 +86,29 @@ class LengthGroupedSampler(Sampler[int]):
         return len(self.lengths)
 
 
-__all__ = ["LengthGroupedSampler", "grouped_order", "padding_share"]
+class ShuffledSampler(Sampler[int]):
+    """Indices in uniformly random order, drawn from ``Generator(seed + epoch)`` only (the order torch's
+    ``RandomSampler`` gives with that generator), so the same in every process and after a resume.
+
+    Args:
+        size: number of examples.
+        seed: with the epoch (``set_epoch``), the only source of randomness.
+    """
+
+    def __init__(self, size: int, seed: int):
+        self.size = size
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+__all__ = ["LengthGroupedSampler", "ShuffledSampler", "grouped_order", "padding_share"]

@@ -1,5 +1,6 @@
-"""Training: typed settings (:mod:`.settings`), the Trainer subclass (:mod:`.trainer`), the recipe
-(:mod:`.recipe`) and the ``bitune train`` verb (:mod:`.cli`)."""
+"""Training: typed settings (:mod:`.settings`), the training loop (:mod:`.trainer`), its checkpoints
+(:mod:`.checkpoints`) and log (:mod:`.logger`), run folders (:mod:`.run_folder`), the recipe (:mod:`.recipe`) and
+the ``bitune train`` verb (:mod:`.cli`)."""
 
 from .settings import TrainSettings, load_settings
 

@@ -12,8 +12,8 @@ import transformers
 from ..errors import BituneError
 from ..model import BituneModel
 from .settings import TrainSettings
-from .run_folder import run_lock
-from .trainer import TrainResult, build_trainer, prepare_output_dir, run_training
+from .run_folder import prepare_output_dir, run_lock
+from .trainer import TrainResult, build_trainer, run_training
 
 
 def load_data(settings: TrainSettings, tokenizer, split: str, limit: int | None,
@@ -39,8 +39,8 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
     """Run a training job end to end.
 
     Loads the base model (``bitune.hub.load_model``) and the data, wraps the model as ``settings.bitune``
-    says, trains with :class:`~bitune.train.trainer.BituneTrainer`, and writes ``final/``, ``log.jsonl``,
-    ``settings.yaml`` and checkpoints into ``settings.output_dir``.
+    says, trains with :class:`~bitune.train.trainer.BituneTrainer` (an explicit loop), and writes ``final/``,
+    ``log.jsonl``, ``settings.yaml`` and checkpoints into ``settings.output_dir``.
 
     Args:
         settings: the validated run settings.

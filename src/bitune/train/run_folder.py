@@ -1,4 +1,4 @@
-"""The run folder of ``bitune train``: what it holds, whether this run may write into it, and its lock.
+"""The run folder of ``bitune train``: what it holds, whether this run may write into it, its log and its lock.
 
 A fresh run refuses a folder that already holds a run, ``--resume`` refuses a folder with nothing to resume
 or a finished run, and only ``--overwrite`` lets a run replace what is there. While a run trains, its main
@@ -10,6 +10,7 @@ ends (exit, crash, ``kill -9``), so a lock is never stale. Light: no torch, so t
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import socket
@@ -22,6 +23,9 @@ from ..errors import BituneError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+"""The small JSON state of a checkpoint (step, epoch, loss sum); written last, so its presence marks a checkpoint."""
+RNG_FILE = "rng_state.pth"
+"""A one-process checkpoint's RNG states; ``rng_state_<rank>.pth`` per process in a multi-process one."""
 LOG_FILE = "log.jsonl"
 SETTINGS_FILE = "settings.yaml"
 FINAL_DIR = "final"
@@ -120,6 +124,73 @@ def _check_same_settings(saved_path: Path, settings: Any) -> None:
                           "resume with the same settings or choose another output_dir")
 
 
+def prepare_output_dir(out: Path, settings: Any, resume: bool, write: bool = True,
+                       overwrite: bool = False) -> Path | None:
+    """Check the run folder against this run (:func:`check_run_folder`) and write ``settings.yaml``; return the
+    checkpoint to resume from. ``write=False`` only checks; with ``overwrite`` and without ``resume`` the old run
+    is deleted first."""
+    from ..files import write_text_atomic
+
+    checkpoint = check_run_folder(out, settings, resume, overwrite)
+    if not write:
+        return checkpoint
+    if overwrite and not resume:
+        clear_run(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / SETTINGS_FILE, settings.to_yaml())
+    return checkpoint
+
+
+def rng_file(rank: int, world_size: int) -> str:
+    """The name of one process's RNG-state file in a checkpoint."""
+    return RNG_FILE if world_size == 1 else f"rng_state_{rank}.pth"
+
+
+def checkpoint_world_size(path: Path) -> int:
+    """How many processes wrote a checkpoint: one ``rng_state.pth``, or ``rng_state_<rank>.pth`` per process."""
+    per_rank = list(Path(path).glob("rng_state_*.pth"))
+    return len(per_rank) if per_rank else 1
+
+
+def check_world_size(path: Path, world_size: int) -> None:
+    """Refuse to resume with another process count: the global batch (and so the run) would change."""
+    saved = checkpoint_world_size(path)
+    if saved != world_size:
+        raise BituneError(f"{path} was written by {saved} process(es), this run has {world_size}: the global "
+                          f"batch would change; resume with --num-processes {saved} or choose another output_dir")
+
+
+def rotate(out: Path, keep: int | None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (``save_total_limit``; None keeps all)."""
+    if keep is None:
+        return
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON record as a line of ``path`` (creating its folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop log lines written after ``step`` by an interrupted run (they are logged again on resume)."""
+    from ..files import write_text_atomic
+
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by the interruption
+    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
 def clear_run(out: Path) -> None:
     """Delete what ``bitune train`` wrote into a run folder (``--overwrite`` without ``--resume``)."""
     for p in [*Path(out).glob(f"{CHECKPOINT_PREFIX}*"), *(out / n for n in (FINAL_DIR, TB_DIR))]:
@@ -164,4 +235,5 @@ def run_lock(output_dir: str | Path) -> Iterator[None]:
         os.close(fd)  # releases the lock; the file stays (removing it could let two later runs lock two files)
 
 
-__all__ = ["checkpoints", "check_run_folder", "clear_run", "describe", "run_lock", "LOCK_FILE"]
+__all__ = ["checkpoints", "check_run_folder", "check_world_size", "clear_run", "describe", "prepare_output_dir",
+           "rotate", "run_lock", "truncate_log", "append_jsonl", "LOCK_FILE"]

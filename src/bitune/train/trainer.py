@@ -1,58 +1,150 @@
-"""Training on transformers' ``Trainer``: the loss is a :class:`~bitune.model.BituneModel` forward.
+"""The training loop: a small explicit loop (torchtune style) over a :class:`~bitune.model.BituneModel`.
 
-The subclass changes only what is Bitune-specific: the loss (prompt/answer batches), the optimizer (AdamW
-over exactly ``model.trainable_parameters()``), checkpoints (our ``save_pretrained``: safetensors + JSON,
-written into a staging folder and renamed into place) and resuming (strict ``load_weights``). Everything
-else (schedule, clipping, accumulation, seeding, autocast, resumable data order) is Trainer's own.
+Built from public pieces: accelerate's ``Accelerator`` (DDP over gloo on CPU / nccl on GPUs, bf16 autocast,
+sharded data loaders), a ``DataLoader`` over :mod:`bitune.data.sampling`'s seed-determined orders, AdamW over
+exactly ``model.trainable_parameters()`` (no decay on the mixing thetas) and transformers' linear warmup/decay.
+A step accumulates ``grad_accum`` micro-batches, clips as ``clip`` says, steps, then logs, evaluates and writes
+an atomic checkpoint (:mod:`.checkpoints`) when due. ``--resume`` restores weights, optimizer, scheduler and RNG
+and skips the batches already consumed in the current epoch, so a resumed run ends bit-exact on the weights of
+an uninterrupted one (CPU).
 
 The loss is the **example mean**: each example's mean answer-token cross-entropy, averaged over the examples
 of the batch (every example weighs the same, whatever its length: the authors' batch-1 x accumulation setup).
-With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) Trainer
-wraps the model in ``DistributedDataParallel``, each process takes its own ``batch_size`` examples and DDP
-averages the gradients, so N processes x ``batch_size`` b give the update of one process with batch N x b
-(exactly, since every process holds b examples; only a short last batch of an epoch weighs its examples
-differently). Logging, checkpoints and the final model are written by the main process only.
+With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) the model runs
+in ``DistributedDataParallel``, each process takes its own ``batch_size`` examples of a global batch drawn in the
+order of one process with batch ``N x batch_size``, and DDP averages the gradients, so N processes x batch b
+give the update of one process with batch N x b (exactly, since every process holds b examples; only a short
+last batch of an epoch weighs its examples differently). Logging, checkpoints and ``final/`` are written by the
+main process only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
+import math
 import os
-import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_pt_utils import safe_globals
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from torch.utils.data import DataLoader, Sampler
 
 from ..errors import BituneError
-from ..files import replace_dir, write_text_atomic
-from ..checkpoint import read_config
 from ..model import BituneModel
-from .run_folder import (CHECKPOINT_PREFIX, FINAL_DIR, LOG_FILE, SETTINGS_FILE, STATE_FILE, TB_DIR,
-                         check_run_folder, checkpoint_step, checkpoints, clear_run, run_lock)
+from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
+from .logger import JsonlLogger
+from .run_folder import (FINAL_DIR, LOG_FILE, append_jsonl, check_world_size, checkpoint_step, checkpoints,
+                         prepare_output_dir, run_lock, truncate_log)
 from .settings import TrainSettings
 
 
-class BituneTrainer(Trainer):
-    """``Trainer`` whose model is a :class:`BituneModel` fed by :class:`bitune.data.collate.Collator` batches."""
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint's ``trainer_state.json``."""
 
-    _staging: Path | None = None
-    _keep: int | None = None
-    group_by_length: bool = False
-    """Draw training batches with :class:`bitune.data.sampling.LengthGroupedSampler` (set by build_trainer)."""
-    clip: str = "all"
-    """What ``max_grad_norm`` clips: ``"all"`` trainable parameters together, or only the ``"adapters"``."""
-    _group_norms: dict[str, float] | None = None
-    _positions = (0, 0)  # (real, computed) positions of the training batches since the last log
-    _resume_step = 0  # the step of the checkpoint this run resumed from (0: a fresh run)
+    global_step: int = 0
+    """Optimizer steps taken."""
+    epoch: float = 0.0
+    """Epochs done, fractional (micro-batches of the current epoch / micro-batches per epoch)."""
+    loss_sum: float = 0.0
+    """Sum of the per-step training losses (mean over processes) of all steps: ``train_loss`` is its mean."""
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+
+class BituneTrainer:
+    """Trains a :class:`BituneModel` on tokenized examples batched by a :class:`bitune.data.collate.Collator`.
+
+    Args:
+        model: the wrapped model; its ``trainable_parameters()`` are exactly what is optimised.
+        settings: the run's settings (batch, accumulation, schedule, clipping, checkpoints, logging).
+        train_data: tokenized examples (``prompt_ids``, ``answer_ids`` lists).
+        eval_data: tokenized validation examples, or None.
+        collator: turns a list of examples into ``prompt_ids, prompt_mask, answer_ids, answer_mask``.
+        tensorboard: also log to ``output_dir/tensorboard``.
+
+    Objects added with :meth:`add_callback` get ``on_step_end(settings, state, control=None, model=model)``
+    after every optimizer step (transformers' ``TrainerCallback`` signature), before logging and saving.
+    """
+
+    def __init__(self, model: BituneModel, settings: TrainSettings, train_data: list[dict],
+                 eval_data: list[dict] | None, collator, tensorboard: bool = True):
+        if model.config.variant == "pretrained":
+            raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
+        bf16, use_cpu = resolve_bf16(settings.bf16)
+        transformers.set_seed(settings.seed)
+        self.accelerator = Accelerator(cpu=use_cpu, mixed_precision="bf16" if bf16 else "no",
+                                       kwargs_handlers=[ddp_kwargs()])
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            raise BituneError("FSDP is not supported by bitune train; run data-parallel (DDP: torchrun, "
+                              "--num-processes or configs/accelerate/ddp.yaml)")
+        self.model = model
+        self.settings = settings
+        self.train_dataset, self.eval_dataset, self.collator = train_data, eval_data, collator
+        self.group_by_length = settings.group_by_length if settings.group_by_length is not None \
+            else settings.batch_size > 1
+        """Draw batches with :class:`~bitune.data.sampling.LengthGroupedSampler` (default: when batch_size > 1)."""
+        self.is_main = self.accelerator.is_main_process
+        self.state = TrainState()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.callbacks: list[Any] = []
+        self.logger = JsonlLogger(Path(settings.output_dir), tensorboard) if self.is_main else None
+        self._wrapped = None  # the model as prepared by the accelerator (DDP-wrapped with several processes)
+        self._positions = (0, 0)  # (real, computed) positions of the training batches since the last log
+        self._window, self._window_steps = torch.zeros(()), 0  # summed step losses since the last log, steps
+        self._bar = None
+
+    def add_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    @property
+    def wrapped(self) -> torch.nn.Module:
+        if self._wrapped is None:
+            self._wrapped = self.accelerator.prepare_model(self.model)
+        return self._wrapped
+
+    # ---------------------------------------------------------------------------------------------- data
+    def train_sampler(self) -> Sampler[int]:
+        """The example order: length-grouped by the global batch (``batch_size`` x processes) when
+        ``group_by_length``, else uniformly shuffled; both from ``seed`` and the epoch only."""
+        from ..data.sampling import LengthGroupedSampler, ShuffledSampler
+
+        data = self.train_dataset
+        if not self.group_by_length:
+            return ShuffledSampler(len(data), self.settings.seed)
+        lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in data]
+        # accelerate hands consecutive per-process batches to processes 0..N-1, so N processes take the same
+        # examples per step as one process with batch N x batch_size.
+        group = self.settings.batch_size * self.accelerator.num_processes
+        return LengthGroupedSampler(lengths, group, seed=self.settings.seed)
+
+    def get_train_dataloader(self, sampler: Sampler[int] | None = None) -> DataLoader:
+        """This process's share of the training batches (see :meth:`train_sampler`)."""
+        loader = DataLoader(self.train_dataset, batch_size=self.settings.batch_size,
+                            sampler=sampler if sampler is not None else self.train_sampler(),
+                            collate_fn=self.collator, num_workers=self.settings.num_workers)
+        return self.accelerator.prepare_data_loader(loader)
+
+    # ---------------------------------------------------------------------------------------------- step parts
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW (betas 0.9, 0.999) over exactly the model's trainable parameters; no decay on mixing thetas."""
+        if self.optimizer is None:
+            params = list(self.model.trainable_parameters().values())
+            if not params:
+                raise BituneError(f"variant {self.model.config.variant!r} has no trainable parameters")
+            mixer = {id(p) for p in self.model.mixer.parameters()} if self.model.mixer is not None else set()
+            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.settings.weight_decay},
+                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
+            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.settings.lr,
+                                               betas=(0.9, 0.999), eps=1e-8)
+        return self.optimizer
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Example-mean loss of the batch: the mean over its B examples of each example's mean answer-token
         cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring.
 
@@ -65,11 +157,36 @@ class BituneTrainer(Trainer):
             if not torch.isfinite(loss.detach()):
                 raise BituneError(self._diverged(f"the training loss is {float(loss.detach())}"))
             self._count_positions(inputs)
-        return (loss, out) if return_outputs else loss
+        return loss
+
+    def clip_gradients(self) -> dict[str, float]:
+        """Clip as ``clip`` says (``all`` trainable parameters together, or only the ``adapters``) to
+        ``max_grad_norm`` (0: no clipping); return the pre-clip norms: ``grad_norm`` (all),
+        ``grad_norm_adapters``, ``grad_norm_mixer``."""
+        params = self.model.trainable_parameters()
+        groups = {"adapters": [p for k, p in params.items() if not k.startswith("mixer:")],
+                  "mixer": [p for k, p in params.items() if k.startswith("mixer:")]}
+        norms = {f"grad_norm_{name}": _norm(ps) for name, ps in groups.items() if ps}
+        limit = self.settings.max_grad_norm
+        if limit > 0 and self.settings.clip == "all":
+            total = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
+        else:
+            total = _norm(groups["adapters"] + groups["mixer"])
+            if limit > 0:
+                torch.nn.utils.clip_grad_norm_(groups["adapters"], limit)
+        return {"grad_norm": total, **norms}
+
+    def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
+        w = max(1, len(self.model.config.passes))
+        pm, am = inputs["prompt_mask"], inputs["answer_mask"]  # (B, P), (B, A)
+        real = w * int(pm.sum()) + int(am.sum())
+        computed = w * pm.numel() + am.numel()
+        self._positions = (self._positions[0] + real, self._positions[1] + computed)
 
     def _diverged(self, what: str) -> str:
         """The message of a run stopped because it diverged: what happened and what was kept."""
-        found = checkpoints(Path(self.args.output_dir))
+        found = checkpoints(Path(self.settings.output_dir))
         kept = f"the last good checkpoint {found[-1]} is kept" if found else "no checkpoint had been written"
         return (f"training diverged at step {self.state.global_step + 1}: {what}; stopped without saving: {kept} "
                 "and no final/ is written. Lower lr, raise warmup_ratio or set max_grad_norm")
@@ -84,236 +201,139 @@ class BituneTrainer(Trainer):
         if bad:
             raise BituneError(self._diverged(f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"))
 
-    def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
-        w = max(1, len(self.model.config.passes))
-        pm, am = inputs["prompt_mask"], inputs["answer_mask"]  # (B, P), (B, A)
-        real = w * int(pm.sum()) + int(am.sum())
-        computed = w * pm.numel() + am.numel()
-        self._positions = (self._positions[0] + real, self._positions[1] + computed)
-
-    def _get_train_sampler(self, train_dataset=None):
-        """Length-grouped, seed-determined order when ``group_by_length``; otherwise Trainer's own sampler."""
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        if not self.group_by_length or dataset is None:
-            return super()._get_train_sampler(train_dataset)
-        from ..data.sampling import LengthGroupedSampler
-
-        lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in dataset]
-        # Grouped by the global batch: accelerate hands consecutive per-process batches to processes 0..N-1, so
-        # N processes take the same examples per step as one process with batch N x batch_size.
-        group = self.args.per_device_train_batch_size * self.args.world_size
-        return LengthGroupedSampler(lengths, group, seed=self.args.data_seed)
-
-    # ----------------------------------------------------------------------------------- gradient norm / clipping
-    def _grad_groups(self) -> dict[str, list[torch.Tensor]]:
-        params = self.model.trainable_parameters()
-        return {"adapters": [p for k, p in params.items() if not k.startswith("mixer:")],
-                "mixer": [p for k, p in params.items() if k.startswith("mixer:")]}
-
-    def _measure_groups(self) -> dict[str, list[torch.Tensor]]:
-        groups = self._grad_groups()
-        self._group_norms = {name: _norm(ps) for name, ps in groups.items() if ps}
-        return groups
-
-    def _clip_grad_norm(self, model):
-        """Clip as ``clip`` says; record the adapters' and the mixer's gradient norms before clipping.
-
-        Returns the pre-clip norm of all trainable parameters (what Trainer logs as ``grad_norm``).
-        """
-        if self.is_fsdp_enabled:  # sharded gradients: only Trainer's own joint clipping is correct
-            return super()._clip_grad_norm(model)
-        groups = self._measure_groups()
-        if self.clip == "adapters":
-            total = _norm(groups["adapters"] + groups["mixer"])
-            torch.nn.utils.clip_grad_norm_(groups["adapters"], self.args.max_grad_norm)
-            return total
-        return super()._clip_grad_norm(model)
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and not self.is_fsdp_enabled:
-            self._measure_groups()
-        return super()._get_grad_norm(model, grad_norm)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Trainer's log, plus on training records: the last step's gradient norm per group (before clipping)
-        and the padding share of the batches since the previous log; a resumed run's ``train_loss`` summary is
-        the mean over all its steps (see :meth:`_full_run_loss`)."""
-        if "train_loss" in logs and self._resume_step:
-            logs.update(self._full_run_loss(logs.pop("train_loss")))
-        if "loss" in logs and "eval_loss" not in logs:
-            for name, value in (self._group_norms or {}).items():
-                logs[f"grad_norm_{name}"] = value
-            real, computed = self._positions
-            if computed:
-                logs["padding_share"] = round(1.0 - real / computed, 4)
-            self._positions = (0, 0)
-        super().log(logs, start_time)
-
-    def _full_run_loss(self, since_resume: float) -> dict[str, float]:
-        """``train_loss`` over every step of a resumed run, from Trainer's mean over the steps run since the
-        resume and the losses logged before it (every checkpoint step is logged, see :class:`LogAtSave`, so
-        those records cover steps 1..resume step exactly). A checkpoint written without that record gives
-        ``train_loss_since_resume`` instead."""
-        start, end = self._resume_step, self.state.global_step
-        records = sorted((r["step"], r["loss"]) for r in self.state.log_history if "loss" in r and r["step"] <= start)
-        if not records or records[-1][0] != start:
-            return {"train_loss_since_resume": since_resume}
-        steps = [0, *(step for step, _ in records)]
-        before = sum(loss * (step - prev) for (step, loss), prev in zip(records, steps))
-        return {"train_loss": (before + since_resume * (end - start)) / max(end, 1)}
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Validation: the loss only."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        """AdamW (betas 0.9, 0.999) over exactly the model's trainable parameters; no decay on mixing thetas."""
-        if self.optimizer is None:
-            params = list(self.model.trainable_parameters().values())
-            if not params:
-                raise BituneError(f"variant {self.model.config.variant!r} has no trainable parameters")
-            mixer = {id(p) for p in self.model.mixer.parameters()} if self.model.mixer is not None else set()
-            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.args.weight_decay},
-                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                               betas=(self.args.adam_beta1, self.args.adam_beta2),
-                                               eps=self.args.adam_epsilon)
-        return self.optimizer
-
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Save the model with ``BituneModel.save_pretrained`` (safetensors + JSON, no pickles); main process only.
-
-        Under FSDP (every process calls this) the sharded weights are first gathered onto the main process.
-        """
-        target = output_dir or self.args.output_dir
-        if not self.is_fsdp_enabled:
-            if self.args.should_save:
-                self.model.save_pretrained(target)
-            return
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with FSDP.summon_full_params(self.model_wrapped, writeback=False, rank0_only=True):
-            if self.args.should_save:
-                self.accelerator.unwrap_model(self.model).save_pretrained(target)
-
-    def _get_output_dir(self, trial) -> str:
-        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Write the whole checkpoint (model, optimizer, scheduler, RNG, state) in a staging folder, then
-        rename it into place, so ``checkpoint-N`` either is complete or does not exist.
-
-        With several processes every one writes its ``rng_state_<rank>.pth`` into the staging folder; only the
-        main process writes the rest, renames and rotates, and the others wait at barriers around it.
-        """
-        self.check_finite()  # a diverged model never replaces a good checkpoint
-        root = Path(self.args.output_dir)
-        name = f"{CHECKPOINT_PREFIX}{self.state.global_step}"
-        main = self.args.should_save
-        self._staging = root / f".staging-{name}"
-        if main:
-            shutil.rmtree(self._staging, ignore_errors=True)
-        self.accelerator.wait_for_everyone()  # nobody writes into the staging folder before it is clean
+    # ---------------------------------------------------------------------------------------------- the loop
+    def train(self, resume_from: Path | None = None) -> dict[str, float]:
+        """Train for ``steps`` (or ``epochs``), optionally continuing a checkpoint; return the run's summary
+        (``train_loss`` over all its steps, ``train_runtime``, ...), which is also logged."""
+        s, acc = self.settings, self.accelerator
+        sampler = self.train_sampler()
+        loader = self.get_train_dataloader(sampler)
+        steps_per_epoch = max(math.ceil(len(loader) / s.grad_accum), 1)  # len: this process's micro-batches
+        total = s.steps if s.steps is not None else math.ceil(s.epochs * steps_per_epoch)
+        self.create_optimizer()
+        self.scheduler = transformers.get_linear_schedule_with_warmup(
+            self.optimizer, math.ceil(total * s.warmup_ratio), total)
+        if resume_from is not None:
+            self.state = TrainState(**load_checkpoint(resume_from, self.model, self.optimizer, self.scheduler))
+        start, began = self.state.global_step, time.time()
+        first_epoch, done = divmod(start, steps_per_epoch)
+        if self.logger is not None:
+            self.logger.open()
+        self._bar = _progress(total, start, disable=not self.is_main)
+        self._window, self._window_steps = torch.zeros((), device=acc.device), 0  # step losses since the last log
         try:
-            super()._save_checkpoint(model, trial)
-            self.accelerator.wait_for_everyone()  # every rank's files are in the staging folder
-            if main:
-                replace_dir(self._staging / name, root / name)
+            for epoch in range(first_epoch, math.ceil(total / steps_per_epoch)):
+                resuming = resume_from if epoch == first_epoch else None
+                self._run_epoch(epoch, loader, sampler, total, done if resuming else 0, resuming)
+                if self.state.global_step >= total:
+                    break
         finally:
-            if main:
-                shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
-        if main:
-            _rotate(root, self._keep)
-        self.accelerator.wait_for_everyone()  # checkpoint-N exists for every rank once this returns
+            self._bar.close()
+            if self.logger is not None:
+                self.logger.close()
+        if self._window_steps:
+            self.state.loss_sum += float(acc.reduce(self._window.clone(), reduction="mean"))
+        runtime, steps = time.time() - began, self.state.global_step - start
+        examples = steps * s.batch_size * s.grad_accum * acc.num_processes
+        summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(examples / runtime, 3),
+                   "train_steps_per_second": round(steps / runtime, 3),
+                   "train_loss": self.state.loss_sum / max(self.state.global_step, 1), "epoch": self.state.epoch}
+        self._log(summary)
+        return summary
 
-    def _save_rng_state(self, output_dir: str) -> None:
-        """Each process's RNG state, written once the main process has saved the model: its
-        ``save_pretrained`` replaces the whole folder, which would drop a file written before it."""
-        self.accelerator.wait_for_everyone()
-        super()._save_rng_state(output_dir)
+    def _run_epoch(self, epoch: int, loader, sampler, total: int, done: int, resume_from: Path | None) -> None:
+        """One pass over the data, from optimizer step ``done`` of the epoch on; ``resume_from``: the checkpoint
+        whose RNG states to restore (at the point of the epoch where the interrupted run stood)."""
+        s, acc = self.settings, self.accelerator
+        per_epoch = len(loader)
+        steps_per_epoch = max(math.ceil(per_epoch / s.grad_accum), 1)
+        batches = acc.skip_first_batches(loader, done * s.grad_accum) if done else loader  # consumed before
+        sampler.set_epoch(epoch)
+        batches.set_epoch(epoch)
+        if resume_from is not None and not done:  # at an epoch boundary: RNG first, then the epoch starts
+            load_rng_state(resume_from, acc.process_index, acc.num_processes)
+            resume_from = None
+        micro, seen = iter(batches), done * s.grad_accum
+        for update in range(done, steps_per_epoch):
+            group = list(itertools.islice(micro, s.grad_accum if update < steps_per_epoch - 1
+                                          else per_epoch - (steps_per_epoch - 1) * s.grad_accum))
+            if resume_from is not None:  # mid-epoch: once the loader has started, as in the interrupted run
+                load_rng_state(resume_from, acc.process_index, acc.num_processes)
+                resume_from = None
+            norms, lr = self._step(group)
+            seen += len(group)
+            self.state.global_step += 1
+            self.state.epoch = epoch + seen / per_epoch
+            self._after_step(total, norms, lr)
+            if self.state.global_step >= total:
+                return
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Strictly load the checkpoint's weights (the config must match this run's)."""
-        self._resume_step = checkpoint_step(Path(resume_from_checkpoint))
-        saved = read_config(Path(resume_from_checkpoint))
-        if saved != self.model.config:
-            raise BituneError(f"{resume_from_checkpoint} was trained with {saved}, this run uses "
-                              f"{self.model.config}; use a new output_dir for a different model")
-        self.model.load_weights(resume_from_checkpoint)
+    def _step(self, group: list[dict[str, torch.Tensor]]) -> tuple[dict[str, float], float]:
+        """One optimizer step over the micro-batches ``group`` (gradients synced across processes on the last
+        one); returns the pre-clip gradient norms and the learning rate the step used."""
+        model, acc = self.wrapped, self.accelerator
+        model.train()
+        for i, inputs in enumerate(group):
+            with contextlib.nullcontext() if i == len(group) - 1 else acc.no_sync(model):
+                loss = self.compute_loss(model, inputs) / len(group)
+                acc.backward(loss)
+            self._window += loss.detach()
+        norms = self.clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        model.zero_grad()
+        return norms, lr
 
+    def _after_step(self, total: int, norms: dict[str, float], lr: float) -> None:
+        """Callbacks, then log, evaluate and save as due (every checkpoint step is logged: the log is cut there)."""
+        s, step = self.settings, self.state.global_step
+        self._window_steps += 1
+        for callback in self.callbacks:
+            callback.on_step_end(s, self.state, None, model=self.model)
+        self._bar.update(1)
+        save = s.save_every is not None and (step % s.save_every == 0 or step == total)
+        if step % s.log_every == 0 or save:
+            mean = float(self.accelerator.reduce(self._window.clone(), reduction="mean")) / self._window_steps
+            self.state.loss_sum += mean * self._window_steps
+            self._window.zero_()
+            self._window_steps = 0
+            self._log({"loss": mean, "grad_norm": norms["grad_norm"], "lr": lr,
+                       **{k: v for k, v in norms.items() if k != "grad_norm"}, **self._padding_share(),
+                       "epoch": self.state.epoch})
+            self._bar.set_postfix(loss=f"{mean:.4g}", refresh=False)
+        if self.eval_dataset is not None and s.eval_every and (step % s.eval_every == 0 or step == total):
+            self.evaluate()
+        if save:
+            self.check_finite()  # a diverged model never replaces a good checkpoint
+            save_checkpoint(Path(s.output_dir), step, self.model, self.optimizer, self.scheduler, asdict(self.state),
+                            self.accelerator, s.save_total_limit)
 
-class JsonlLogger(TrainerCallback):
-    """Every log event to ``log.jsonl`` (one JSON object per line) and TensorBoard, with per-layer a_k / a_v."""
+    def evaluate(self) -> dict[str, float]:
+        """``eval_loss``: the mean over the validation examples of each example's loss (logged too)."""
+        acc = self.accelerator
+        loader = acc.prepare_data_loader(DataLoader(self.eval_dataset, batch_size=self.settings.batch_size,
+                                                    shuffle=False, collate_fn=self.collator))
+        model, began, losses = self.wrapped, time.time(), []
+        model.eval()
+        with torch.no_grad():
+            for b in loader:
+                out = model(b["prompt_ids"], b["prompt_mask"], b["answer_ids"], b["answer_mask"])
+                losses.append(acc.gather_for_metrics(out.example_loss.detach().float()))  # (B * processes,)
+        model.train()
+        metrics = {"eval_loss": float(torch.cat(losses).mean()), "eval_runtime": round(time.time() - began, 4),
+                   "epoch": self.state.epoch}
+        self._log(metrics)
+        return metrics
 
-    def __init__(self, output_dir: Path, tensorboard: bool = True):
-        self.path = output_dir / LOG_FILE
-        self.tb_dir = output_dir / TB_DIR
-        self.use_tb = tensorboard
-        self.writer = None
-        self.start = time.time()
+    def _padding_share(self) -> dict[str, float]:
+        real, computed = self._positions
+        self._positions = (0, 0)
+        return {"padding_share": round(1.0 - real / computed, 4)} if computed else {}
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        if self.use_tb and self.writer is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                print("bitune train: tensorboard is not installed; logging to log.jsonl only")
-                self.use_tb = False
-            else:
-                self.writer = SummaryWriter(str(self.tb_dir))
-
-    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        record: dict[str, Any] = {"step": state.global_step}
-        for k, v in (logs or {}).items():
-            if isinstance(v, (int, float)):
-                record["lr" if k == "learning_rate" else k] = v
-        if model is not None:
-            for k, ratios in model.mixing_ratios().items():  # (L,) each
-                record[f"a_{k}"] = [round(float(a), 6) for a in ratios]
-        record["elapsed_s"] = round(time.time() - self.start, 2)
-        append_jsonl(self.path, record)
-        if self.writer is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.writer.add_scalar(f"train/{k}", v, state.global_step)
-                elif isinstance(v, list):
-                    for i, a in enumerate(v):
-                        self.writer.add_scalar(f"mixing/{k}/layer_{i:02d}", a, state.global_step)
-            self.writer.flush()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-
-class LogAtSave(TrainerCallback):
-    """Log the training loss at every checkpoint step too, so the log up to a checkpoint covers all its steps
-    (a resumed run's ``train_loss`` summary is then exact, and ``log.jsonl`` is cut exactly at the checkpoint)."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if control.should_save:
-            control.should_log = True
-
-
-class LossProgress(ProgressCallback):
-    """Trainer's tqdm bar (steps, time left) with the latest loss as a postfix instead of printed dicts."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.training_bar is not None and logs:
-            shown = {k: f"{logs[k]:.4g}" for k in ("loss", "eval_loss") if isinstance(logs.get(k), float)}
-            if shown:
-                self.training_bar.set_postfix(shown, refresh=False)
+    def _log(self, values: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(self.state.global_step, values, self.model)
 
 
 @dataclass
@@ -325,51 +345,26 @@ class TrainResult:
     final_dir: Path
     """The final model, loadable with ``BituneModel.from_pretrained``."""
     metrics: dict[str, float]
-    """Trainer's summary (train_loss, train_runtime, ...)."""
+    """The run's summary (train_loss, train_runtime, eval_loss, ...)."""
 
 
-def training_arguments(settings: TrainSettings, bf16: bool, use_cpu: bool) -> TrainingArguments:
-    """The ``TrainingArguments`` a :class:`TrainSettings` stands for."""
-    return TrainingArguments(
-        output_dir=settings.output_dir,
-        per_device_train_batch_size=settings.batch_size,
-        per_device_eval_batch_size=settings.batch_size,
-        gradient_accumulation_steps=settings.grad_accum,
-        learning_rate=settings.lr,
-        weight_decay=settings.weight_decay,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        max_grad_norm=settings.max_grad_norm,
-        max_steps=settings.steps if settings.steps is not None else -1,
-        num_train_epochs=settings.epochs,
-        lr_scheduler_type="linear",
-        warmup_steps=settings.warmup_ratio,  # < 1: a fraction of the total steps
-        logging_strategy="steps",
-        logging_steps=settings.log_every,
-        eval_strategy="steps" if settings.eval_every else "no",
-        eval_steps=settings.eval_every,
-        prediction_loss_only=True,
-        save_strategy="steps" if settings.save_every else "no",
-        save_steps=settings.save_every or 500,
-        save_total_limit=None,  # rotation is done after the atomic rename, see BituneTrainer._save_checkpoint
-        seed=settings.seed,
-        data_seed=settings.seed,
-        bf16=bf16,
-        use_cpu=use_cpu,
-        report_to="none",
-        remove_unused_columns=False,
-        dataloader_num_workers=settings.num_workers,
-        disable_tqdm=False,
-        label_names=[],
-        ddp_find_unused_parameters=False,  # every trainable parameter gets a gradient (tests/test_distributed.py)
-        ddp_backend="gloo" if use_cpu and world_size() > 1 else None,  # None: nccl on GPUs
-    )
+def ddp_kwargs() -> DistributedDataParallelKwargs:
+    """How the model is wrapped in DDP: every trainable parameter gets a gradient (tests/test_distributed.py),
+    so DDP is told there are no unused parameters."""
+    return DistributedDataParallelKwargs(find_unused_parameters=False)
 
 
 def _norm(params: list[torch.Tensor]) -> float:
     """Global L2 norm of the gradients of ``params`` (0 when none has a gradient)."""
     grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
     return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def _progress(total: int, start: int, disable: bool):
+    """A tqdm bar over the optimizer steps (time left; the latest loss as a postfix)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, disable=disable, dynamic_ncols=True)
 
 
 def world_size() -> int:
@@ -390,22 +385,7 @@ def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[
                   collator, tensorboard: bool = True) -> BituneTrainer:
     """A :class:`BituneTrainer` for tokenized examples (the dicts :func:`bitune.data.collate.tokenize_dataset`
     makes) and a collator producing ``prompt_ids, prompt_mask, answer_ids, answer_mask``."""
-    if model.config.variant == "pretrained":
-        raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
-    bf16, use_cpu = resolve_bf16(settings.bf16)
-    args = training_arguments(settings, bf16, use_cpu)
-    trainer = BituneTrainer(model=model, args=args, train_dataset=train_data, eval_dataset=eval_data,
-                            data_collator=collator,
-                            callbacks=[JsonlLogger(Path(settings.output_dir), tensorboard), LogAtSave()])
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(LossProgress())
-    trainer._keep = settings.save_total_limit
-    trainer.group_by_length = settings.group_by_length if settings.group_by_length is not None \
-        else settings.batch_size > 1
-    trainer.clip = settings.clip
-    if trainer.clip != "all" and trainer.is_fsdp_enabled:
-        raise BituneError(f"clip={settings.clip!r} is not supported under FSDP (sharded gradients); use clip=all")
-    return trainer
+    return BituneTrainer(model, settings, train_data, eval_data, collator, tensorboard)
 
 
 def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool = False,
@@ -428,19 +408,18 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
             resume, a checkpoint is corrupt, or training diverged (inf/NaN loss or weights; nothing is saved).
     """
     out = Path(settings.output_dir)
-    main = trainer.args.should_save
-    with run_lock(out) if main else contextlib.nullcontext():
+    with run_lock(out) if trainer.is_main else contextlib.nullcontext():
         return _run_training(trainer, settings, resume, first_log, overwrite)
 
 
 def _run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool, first_log: dict[str, Any] | None,
                   overwrite: bool) -> TrainResult:
     out = Path(settings.output_dir)
-    main = trainer.args.should_save
+    main = trainer.is_main
     wait = trainer.accelerator.wait_for_everyone
     checkpoint = prepare_output_dir(out, settings, resume, write=False, overwrite=overwrite)  # all check first
     if checkpoint is not None:
-        check_world_size(checkpoint, trainer.args.world_size)
+        check_world_size(checkpoint, trainer.accelerator.num_processes)
         verify_checkpoint(checkpoint, trainer.model)
     wait()
     if main:
@@ -451,104 +430,17 @@ def _run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool,
     elif main and first_log is not None:
         append_jsonl(out / LOG_FILE, {"step": 0, **first_log})
     wait()
-    result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
-    metrics = dict(result.metrics)
+    metrics = trainer.train(resume_from=checkpoint)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     trainer.check_finite()  # never write a diverged model as final/
     final = out / FINAL_DIR
-    trainer.save_model(str(final))  # every process calls it; the main one writes
+    if main:
+        trainer.model.save_pretrained(final)  # written in a temporary folder and renamed into place
     wait()
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     return TrainResult(output_dir=out, final_dir=final, metrics=metrics)
 
 
-# --------------------------------------------------------------------------------------------------- run folder
-def prepare_output_dir(out: Path, settings: TrainSettings, resume: bool, write: bool = True,
-                       overwrite: bool = False) -> Path | None:
-    """Check the run folder against this run (:func:`~bitune.train.run_folder.check_run_folder`) and write
-    ``settings.yaml``; return the checkpoint to resume from. ``write=False`` only checks; with ``overwrite`` and
-    without ``resume`` the old run is deleted first."""
-    checkpoint = check_run_folder(out, settings, resume, overwrite)
-    if not write:
-        return checkpoint
-    if overwrite and not resume:
-        clear_run(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / SETTINGS_FILE, settings.to_yaml())
-    return checkpoint
-
-
-def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
-    """Read every file of a checkpoint before training resumes, so corruption fails early with its name.
-
-    Args:
-        path: the ``checkpoint-N`` folder.
-        model: when given, its weights are loaded from the checkpoint (strictly) as part of the check.
-    """
-    try:
-        json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise BituneError(f"corrupt checkpoint file {path / STATE_FILE}: {e}") from e
-    rng = sorted(p.name for p in path.glob("rng_state*.pth"))
-    for name in ("optimizer.pt", "scheduler.pt", *(rng or ["rng_state.pth"])):
-        if not (path / name).is_file():
-            raise BituneError(f"checkpoint {path} is incomplete: {name} is missing")
-        try:
-            with safe_globals():  # the numpy types Trainer's own loader allows in the RNG state
-                torch.load(path / name, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises several unrelated types for a damaged file
-            raise BituneError(f"corrupt checkpoint file {path / name}: {type(e).__name__}") from e
-    read_config(path)
-    if model is not None:
-        try:
-            model.load_weights(path)
-        except BituneError:
-            raise
-        except ValueError as e:
-            raise BituneError(str(e)) from e
-
-
-def checkpoint_world_size(path: Path) -> int:
-    """How many processes wrote a checkpoint: one ``rng_state.pth``, or ``rng_state_<rank>.pth`` per process."""
-    per_rank = list(Path(path).glob("rng_state_*.pth"))
-    return len(per_rank) if per_rank else 1
-
-
-def check_world_size(path: Path, world_size: int) -> None:
-    """Refuse to resume with another process count: the global batch (and so the run) would change."""
-    saved = checkpoint_world_size(path)
-    if saved != world_size:
-        raise BituneError(f"{path} was written by {saved} process(es), this run has {world_size}: the global "
-                          f"batch would change; resume with --num-processes {saved} or choose another output_dir")
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Drop log lines written after ``step`` by an interrupted run (they are logged again on resume)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut off by the interruption
-    write_text_atomic(path, "".join(f"{line}\n" for line in kept))
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _rotate(root: Path, keep: int | None) -> None:
-    if keep is None:
-        return
-    for old in checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-__all__ = ["BituneTrainer", "JsonlLogger", "TrainResult", "build_trainer", "run_training", "checkpoints",
-           "training_arguments", "resolve_bf16", "verify_checkpoint", "check_world_size"]
+__all__ = ["BituneTrainer", "TrainResult", "TrainState", "build_trainer", "run_training", "checkpoints",
+           "ddp_kwargs", "resolve_bf16", "verify_checkpoint", "check_world_size", "LOG_FILE"]

@@ -1,0 +1,138 @@
+"""Training checkpoints: written whole or not at all, read back strictly, checked before a resume.
+
+A ``checkpoint-N`` folder holds the model (:meth:`~bitune.model.BituneModel.save_pretrained`: adapters, mixer,
+config; safetensors + JSON), ``optimizer.pt`` and ``scheduler.pt`` (state dicts: tensors and numbers only, read
+with ``weights_only=True``), one RNG-state file per process (``rng_state.pth``, or ``rng_state_<rank>.pth``) and
+``trainer_state.json`` (step, epoch, loss sum). Every process writes its RNG state into a staging folder, the
+main process writes the rest, and the folder is renamed into place: ``checkpoint-N`` is complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpoint import read_config
+from ..errors import BituneError
+from ..files import replace_dir, write_text_atomic
+from ..model import BituneModel
+from .run_folder import CHECKPOINT_PREFIX, STATE_FILE, rng_file, rotate
+
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+STATE_KEYS = ("global_step", "epoch", "loss_sum")
+"""What ``trainer_state.json`` holds (:class:`bitune.train.trainer.TrainState`)."""
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (Python, NumPy, torch CPU and CUDA) as tensors, tuples and numbers only."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                    int(has_gauss), float(gauss)), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(root: Path, step: int, model: BituneModel, optimizer, scheduler, state: dict[str, Any],
+                    accelerator, keep: int | None) -> None:
+    """Write ``root/checkpoint-<step>`` atomically and keep the newest ``keep`` checkpoints.
+
+    Every process calls it (each writes its RNG state); the main process writes the rest, renames and rotates.
+    """
+    main = accelerator.is_main_process
+    name = f"{CHECKPOINT_PREFIX}{step}"
+    staging = root / f".staging-{name}"
+    try:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+            model.save_pretrained(staging)  # replaces the staging folder: first, before any other file
+            torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
+            torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
+        accelerator.wait_for_everyone()  # the staging folder exists for every process
+        torch.save(rng_state(), staging / rng_file(accelerator.process_index, accelerator.num_processes))
+        accelerator.wait_for_everyone()  # every process's file is in
+        if main:
+            write_text_atomic(staging / STATE_FILE, json.dumps(state, indent=1))
+            replace_dir(staging, root / name)
+    finally:
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+    if main:
+        rotate(root, keep)
+    accelerator.wait_for_everyone()  # checkpoint-N exists for every process once this returns
+
+
+def load_checkpoint(path: Path, model: BituneModel, optimizer, scheduler) -> dict[str, Any]:
+    """Load weights (strictly; the config must match), optimizer and scheduler; return the JSON state."""
+    saved = read_config(path)
+    if saved != model.config:
+        raise BituneError(f"{path} was trained with {saved}, this run uses {model.config}; use a new output_dir "
+                          "for a different model")
+    model.load_weights(path)
+    state = json.loads((path / STATE_FILE).read_text())
+    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+    return {k: state[k] for k in STATE_KEYS}
+
+
+def load_rng_state(path: Path, rank: int, world_size: int) -> None:
+    """Restore this process's RNG states from a checkpoint."""
+    set_rng_state(torch.load(path / rng_file(rank, world_size), map_location="cpu", weights_only=True))
+
+
+def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
+    """Read every file of a checkpoint before training resumes, so corruption fails early with its name.
+
+    Args:
+        path: the ``checkpoint-N`` folder.
+        model: when given, its weights are loaded from the checkpoint (strictly) as part of the check.
+
+    Raises:
+        BituneError: naming the missing or corrupt file.
+    """
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BituneError(f"corrupt checkpoint file {path / STATE_FILE}: {e}") from e
+    missing = [k for k in STATE_KEYS if k not in state] if isinstance(state, dict) else list(STATE_KEYS)
+    if missing:
+        raise BituneError(f"{path} was written by an older bitune (transformers' Trainer layout: {STATE_FILE} "
+                          f"lacks {', '.join(missing)}); this version cannot resume it exactly. Start afresh "
+                          "(--overwrite) or finish the run with the version that started it")
+    rng = sorted(p.name for p in path.glob("rng_state*.pth"))
+    for name in (OPTIMIZER_FILE, SCHEDULER_FILE, *(rng or [rng_file(0, 1)])):
+        if not (path / name).is_file():
+            raise BituneError(f"checkpoint {path} is incomplete: {name} is missing")
+        try:
+            torch.load(path / name, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several unrelated types for a damaged file
+            raise BituneError(f"corrupt checkpoint file {path / name}: {type(e).__name__}") from e
+    read_config(path)
+    if model is not None:
+        try:
+            model.load_weights(path)
+        except BituneError:
+            raise
+        except ValueError as e:
+            raise BituneError(str(e)) from e
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_rng_state", "verify_checkpoint", "rng_state",
+           "set_rng_state"]
