@@ -448,7 +448,7 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
     timing = timing_rows(records)
     if any(r[3] != "-" or r[4] != "-" for r in timing):
         total = sum(float(r[5]) for r in timing)
-        parts += ["\n## Wall time\n", f"Training (Trainer's train_runtime in each run's log.jsonl) and evaluation "
+        parts += ["\n## Wall time\n", f"Training (train_runtime in each run's log.jsonl) and evaluation "
                   f"(lm-eval) per run, as recorded on the machine that ran them; {total / 60:.1f} h in all.\n",
                   markdown_table(TIMING_HEADER, timing, left=2)]
     if skipped:
