@@ -14,7 +14,7 @@ from gen_helpers import CHAT_TEMPLATE, save_checkpoint, tiny_bitune
 from bitune.cache import layer_kv
 from bitune.chat import Conversation
 from bitune.cli import main
-from bitune.generate import generate_texts
+from bitune.generation import generate_texts
 
 TURNS = ["what is 2+2?", "and 3+3?", "why?"]
 

@@ -49,12 +49,12 @@ def test_help_shows_values_and_each_default_once(capsys):
 
 
 def test_unexpected_exception_is_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
-    import bitune.generate
+    import bitune.commands.generate
 
     def broken(args):
         raise TypeError("an internal bug")
 
-    monkeypatch.setattr(bitune.generate, "run", broken)
+    monkeypatch.setattr(bitune.commands.generate, "run", broken)
     assert main(["generate", "--model", "x", "--prompt", "hi"]) == 1
     line = one_error_line(capsys, "generate")
     assert "TypeError: an internal bug" in line and "--debug" in line
@@ -87,9 +87,9 @@ def test_output_dir_that_cannot_be_a_folder_is_refused_before_training(where, tm
 
 def test_generate_output_paths_are_checked_before_any_answer(saved, tmp_path, monkeypatch, capsys):
     ckpt, _ = saved
-    import bitune.generate
+    import bitune.commands.generate
 
-    monkeypatch.setattr(bitune.generate, "generate_texts", lambda *a, **k: pytest.fail("answers computed"))
+    monkeypatch.setattr(bitune.commands.generate, "generate_texts", lambda *a, **k: pytest.fail("answers computed"))
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     (tmp_path / "file").write_text("x")
@@ -192,7 +192,7 @@ def test_eval_silences_lm_eval_noise_outside_a_git_checkout(tmp_path, monkeypatc
 
     from lm_eval import evaluator
 
-    from bitune.eval.cli import quiet_lm_eval
+    from bitune.eval.evaluate import quiet_lm_eval
 
     monkeypatch.chdir(tmp_path)  # not a git checkout: git would print "fatal: not a git repository"
     with quiet_lm_eval(), caplog.at_level(logging.WARNING):

@@ -11,8 +11,8 @@ from bitune import BituneConfig, BituneModel
 from bitune.data import ChatExample, Collator, dataset_template, load_examples, tokenize_dataset, tokenize_example
 from bitune.data.conversations import end_of_turn_id, render
 from bitune.errors import BituneError
-from bitune.generate import encode
-from bitune.generate import render as render_prompt
+from bitune.generation import encode
+from bitune.generation import render as render_prompt
 
 SMOLLM2_TEMPLATE = (  # SmolLM2-135M-Instruct's chat template, as its tokenizer in ~/.cache/bitune holds it
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"

@@ -153,7 +153,7 @@ def test_cli_num_processes_trains_data_parallel(tmp_path):
 
 
 def test_num_processes_is_refused_inside_a_launched_job(monkeypatch):
-    from bitune.train.cli import launch
+    from bitune.commands.train import launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(BituneError, match="already running"):
@@ -162,7 +162,7 @@ def test_num_processes_is_refused_inside_a_launched_job(monkeypatch):
 
 def test_launch_command_reruns_the_same_arguments():
     from bitune.cli import build_parser
-    from bitune.train.cli import launch_command, train_argv
+    from bitune.commands.train import launch_command, train_argv
 
     argv = ["train", "--config", "a.yaml", "--set", "lr=1e-3", "--num-processes", "4", "--resume"]
     sys_argv = sys.argv

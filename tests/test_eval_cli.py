@@ -81,7 +81,7 @@ def test_eval_cli_rejects_unknown_task(checkpoint, capsys):
 
 def test_sweep_parses_methods():
     from bitune.errors import BituneError
-    from bitune.eval.sweep import parse_methods
+    from bitune.commands.sweep import parse_methods
 
     methods = parse_methods("pretrained,lora,lora16,bitune,shared_weights")
     assert [(m.variant, m.rank) for m in methods] == [("pretrained", None), ("lora", None), ("lora", 16),
@@ -94,7 +94,7 @@ def test_sweep_parses_methods():
 def test_sweep_method_files_are_overlays_labelled_by_name():
     from pathlib import Path
 
-    from bitune.eval.sweep import parse_methods
+    from bitune.commands.sweep import parse_methods
     from bitune.train import load_settings
 
     root = Path(__file__).resolve().parents[1]

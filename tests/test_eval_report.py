@@ -10,7 +10,7 @@ import math
 import pytest
 
 from bitune.cli import main
-from bitune.eval.cli import SCHEMA
+from bitune.eval import SCHEMA
 from bitune.eval.report import aggregate
 
 

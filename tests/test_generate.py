@@ -12,7 +12,7 @@ from gen_helpers import save_checkpoint, tiny_bitune
 from bitune.cli import main
 from bitune.data.collate import tokenize_example
 from bitune.data.templates import instruction_example
-from bitune.generate import encode, generate_texts, render
+from bitune.generation import encode, generate_texts, render
 
 PROMPTS = ["what is 2+2?", "name a color.", "hi"]
 

@@ -16,7 +16,7 @@ from gen_helpers import CHAT_TEMPLATE, tiny_bitune
 from bitune import BituneConfig, BituneModel
 from bitune.cli import main
 from bitune.checkpoint import CONFIG_FILE, load_bitune
-from bitune.generate import generate_texts, pick_template
+from bitune.generation import generate_texts, pick_template
 
 CHAT_ROWS = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
                            {"role": "assistant", "content": f"it is {2 * i}."}]} for i in range(4)]
@@ -113,7 +113,7 @@ def test_eval_scores_a_chat_checkpoint_through_its_chat_template(base_dir, tmp_p
     pytest.importorskip("lm_eval")
     from bitune.data import datasets as data
     from bitune.data.templates import arc_example
-    from bitune.eval.cli import evaluate_run
+    from bitune.eval.evaluate import evaluate_run
     from bitune.eval.lm import BituneLM
 
     final = train(base_dir, tmp_path, CHAT_ROWS, "chat")

@@ -18,7 +18,7 @@ from bitune.data.templates import Example
 def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
     import numpy as np
 
-    from bitune.quickstart import add_statistics, print_table
+    from bitune.commands.quickstart import add_statistics, print_table
 
     correct = {"pretrained": np.r_[np.ones(30), np.zeros(70)], "lora": np.r_[np.ones(40), np.zeros(60)],
                "bitune": np.r_[np.ones(50), np.zeros(50)]}

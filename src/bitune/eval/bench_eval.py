@@ -18,21 +18,20 @@ import json
 import os
 import time
 
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from ..checkpoint import load_bitune
+from ..config import BituneConfig
 from ..hub import DEFAULT_MODEL
+from ..model import BituneModel
+from .lm import BituneLM
+from .tasks import make_task
 
 
 def bench(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, batch_size: int = 8,
           device: str = "cpu", rounds: int = 2, checkpoint: str | None = None) -> dict:
     """Time ``loglikelihood`` over one task's requests for ``hf``, ``pretrained`` and ``bitune``."""
-    import torch
-    from lm_eval.models.huggingface import HFLM
-
-    from ..config import BituneConfig
-    from ..model import BituneModel
-    from ..checkpoint import load_bitune
-    from .lm import BituneLM
-    from .tasks import make_task
-
     model, tokenizer = load_bitune(pretrained=model_name, device=device)
     if checkpoint:
         two_pass, _ = load_bitune(checkpoint=checkpoint, device=device)
@@ -84,8 +83,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads {args.threads}: needs a positive number of threads")
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     print(json.dumps(bench(args.model, args.task, args.limit, args.batch_size, args.device, args.rounds,
                            args.checkpoint), indent=2))

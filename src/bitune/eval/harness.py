@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import sys
 
+from lm_eval.__main__ import cli_evaluate
+
+from . import lm  # noqa: F401  (registers the "bitune" model type)
+from .tasks import TASK_DIR
+
 
 def main(argv: list[str] | None = None) -> None:
-    from lm_eval.__main__ import cli_evaluate
-
-    from . import lm  # noqa: F401  (registers the "bitune" model type)
-    from .tasks import TASK_DIR
-
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", str(TASK_DIR)]

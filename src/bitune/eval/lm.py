@@ -35,6 +35,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from ..checkpoint import load_bitune
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..model import BituneModel, token_logprobs
@@ -60,8 +61,6 @@ class BituneLM(TemplateLM):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
-            from ..checkpoint import load_bitune
-
             model, tokenizer = load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes)
         elif tokenizer is None:
             raise BituneError("BituneLM(model=...) also needs tokenizer=")

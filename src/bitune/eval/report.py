@@ -1,4 +1,5 @@
-"""``bitune report``: aggregate ``bitune eval`` results over seeds: the paper's table plus paired statistics.
+"""Aggregating ``bitune eval`` results over seeds (what ``bitune report`` writes): the paper's table plus paired
+statistics.
 
 1. **The paper's table** (Table 1/2 shape): rows are methods (the ``label`` of each eval JSON), columns the tasks
    and their average. A cell is ``mean ± std`` in percent over the runs (seeds) of that method. The std is the
@@ -19,7 +20,6 @@ accuracy per method with its interval and the seeds as points) is written when m
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from ..errors import BituneError
 from ..files import write_text_atomic
+from . import RESULT_FILE, SCHEMA
 from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact
 
-HELP = "aggregate evaluation runs over seeds into the paper's table"
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
                "mmlu": "MMLU", "gsm8k": "GSM8K"}
@@ -44,29 +46,6 @@ METHOD_ORDER = ("pretrained", "lora", "lora16", "bitune")
 
 def method_key(label: str) -> tuple[int, str]:
     return (METHOD_ORDER.index(label), "") if label in METHOD_ORDER else (len(METHOD_ORDER), label)
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Aggregate eval JSONs (written by 'bitune eval' / 'bitune sweep') over seeds:\n"
-                          "  - mean ± sample std (ddof=1) per method and task, in percent, and the average;\n"
-                          "  - each accuracy with a 95% bootstrap interval over questions;\n"
-                          "  - each method's paired per-question difference to the baselines (bootstrap\n"
-                          "    interval, exact McNemar p per seed); n and --limit in every table;\n"
-                          "  - a figure (report.png): accuracy per method with intervals, seeds as points.\n"
-                          "Example:\n  bitune report runs/sweep   (finds every eval.json below; writes there)")
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="eval JSON files or folders searched for eval.json")
-    parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"),
-                        help="multiple-choice metric to tabulate")
-    parser.add_argument("--gsm8k-metric", default="exact_match_strict",
-                        choices=("exact_match_strict", "exact_match_flexible"), help="GSM8K metric to tabulate")
-    parser.add_argument("--output", metavar="DIR",
-                        help="folder for report.md, report.csv and report.png (default: the one folder given)")
-    parser.add_argument("--baselines", default="lora,pretrained",
-                        help="comma-separated methods every other method is compared with, question by question")
-    parser.add_argument("--no-figure", action="store_true", help="do not write report.png")
-    parser.add_argument("--embed", action="append", default=[], metavar="FILE.md",
-                        help="also write the report into this Markdown file, between its 'bitune report: begin' "
-                             "and 'end' marker lines (repeatable)")
 
 
 @dataclass
@@ -338,8 +317,6 @@ def plot_accuracy(tasks: dict[str, TaskRuns], metric: str, path: Path) -> Path |
 
 def find_results(paths: list[str]) -> list[Path]:
     """Eval JSON files: given files, plus every ``eval.json`` below given folders (sorted)."""
-    from .cli import RESULT_FILE
-
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
@@ -355,8 +332,6 @@ def find_results(paths: list[str]) -> list[Path]:
 
 def load_records(files: list[Path]) -> list[dict]:
     """Read and check eval JSONs (``schema``, ``label``, ``tasks`` and ``config`` present and well-formed)."""
-    from .cli import SCHEMA
-
     records = []
     for f in files:
         try:
@@ -457,9 +432,6 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
 
 
 def print_report(report: Report, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     for i, col in enumerate(report.header()):
         table.add_column(col, justify="left" if i == 0 else "right")
@@ -500,38 +472,3 @@ def embed_report(document: Path, markdown: str) -> None:
                           "goes")
     head, tail = text[:begin + len(EMBED_BEGIN)], text[end:]
     write_text_atomic(document, f"{head}\n{embedded(markdown)}{tail}")
-
-
-def default_output(paths: list[str]) -> Path:
-    """Next to the runs: the one folder given, or the folder of the one file; several inputs need ``--output``."""
-    if len(paths) == 1:
-        p = Path(paths[0])
-        return p if p.is_dir() else p.parent
-    raise BituneError("several inputs: name the folder for report.md/report.csv/report.png with --output")
-
-
-def run(args: argparse.Namespace) -> int:
-    output = Path(args.output) if args.output else default_output(args.runs)
-    records = load_records(find_results(args.runs))
-    limits = {r["config"].get("limit") for r in records}
-    if len(limits) > 1:
-        print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
-    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
-    report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines)
-    print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
-    paired = markdown.find("\n## ", markdown.find("## ") + 3)
-    if paired >= 0:
-        print(markdown[paired + 1:])
-    for document in args.embed:  # checked before anything is written
-        if not Path(document).is_file() or EMBED_BEGIN not in Path(document).read_text(encoding="utf-8"):
-            embed_report(Path(document), markdown)  # raises the error naming what is missing
-    md, cs = write_report(report, output, markdown)
-    print(f"bitune report: wrote {md} and {cs}")
-    for document in args.embed:
-        embed_report(Path(document), markdown)
-        print(f"bitune report: updated the report in {document}")
-    if tasks and not args.no_figure:
-        figure = plot_accuracy(tasks, args.metric, output / "report.png")
-        if figure is not None:
-            print(f"bitune report: wrote {figure}")
-    return 0

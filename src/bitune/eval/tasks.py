@@ -25,8 +25,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import datasets
 from lm_eval.api.task import ConfigurableTask
 
+from ..data import datasets as bitune_datasets
 from ..errors import BituneError
 
 TASKS: dict[str, str] = {
@@ -94,14 +96,10 @@ def gsm8k_results(doc: dict, results: list[str]) -> dict[str, float]:
 
 def _load_docs(benchmark: str, **_) -> dict:
     """lm-eval ``custom_dataset``: the benchmark's evaluation split as a one-split ``datasets`` dict."""
-    import datasets
-
-    from ..data.datasets import DATASETS, load_examples
-
-    split = DATASETS[benchmark].eval_split
+    split = bitune_datasets.DATASETS[benchmark].eval_split
     docs = [{"prompt": e.prompt, "answer": e.answer, "choices": [_unspaced(c, e.id) for c in e.choices or []],
              "gold": e.gold or 0, "id": e.id or str(i), "target": e.target or ""}
-            for i, e in enumerate(load_examples(benchmark, split))]
+            for i, e in enumerate(bitune_datasets.load_examples(benchmark, split))]
     return {"test": datasets.Dataset.from_list(docs)}
 
 

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import transformers
 
+from ..data.collate import Collator, pad_id, tokenize_dataset
+from ..data import datasets
 from ..errors import BituneError
+from ..hub import load_model
 from ..model import BituneModel
 from .settings import TrainSettings
 from .run_folder import prepare_output_dir, run_lock
@@ -19,10 +22,7 @@ from .trainer import TrainResult, build_trainer, run_training
 def load_data(settings: TrainSettings, tokenizer, split: str, limit: int | None,
               say: Callable[[str], None] = print) -> tuple[list[dict], int]:
     """Tokenized samples of one split, with the number dropped for exceeding ``max_length``."""
-    from ..data.collate import tokenize_dataset
-    from ..data.datasets import load_examples
-
-    examples = load_examples(settings.dataset, split, limit=limit)
+    examples = datasets.load_examples(settings.dataset, split, limit=limit)
     if not examples:
         raise BituneError(f"dataset {settings.dataset!r} split {split!r} is empty")
     samples, dropped = tokenize_dataset(tokenizer, examples, settings.max_length)
@@ -57,10 +57,6 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
 
 
 def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], overwrite: bool) -> TrainResult:
-    from ..data.collate import Collator, pad_id
-    from ..data.datasets import dataset_template
-    from ..hub import load_model
-
     if settings.bitune.variant == "pretrained":
         raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
     if int(os.environ.get("RANK", "0")) != 0:
@@ -74,7 +70,7 @@ def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], ov
         eval_data, _ = load_data(settings, tokenizer, settings.eval_split, settings.eval_limit, say)
     transformers.set_seed(settings.seed)  # adapter init depends on it
     config = dataclasses.replace(settings.bitune, base_model=settings.model,
-                                 template=dataset_template(settings.dataset))  # generate/chat/eval reuse it
+                                 template=datasets.dataset_template(settings.dataset))  # generate/chat/eval reuse it
     say(f"bitune train: {config.template} template (the format of {settings.dataset}; recorded in the checkpoint)")
     model = BituneModel.wrap(base, config, prompt_passes=settings.prompt_passes)
     trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)))

@@ -19,7 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..errors import BituneError
+from ..files import read_text, write_text_atomic
+from .settings import upgrade
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
@@ -102,10 +106,6 @@ def check_run_folder(out: Path, settings: Any, resume: bool, overwrite: bool = F
 def _check_same_settings(saved_path: Path, settings: Any) -> None:
     if not saved_path.exists():
         return
-    import yaml
-
-    from ..files import read_text
-
     try:
         saved = yaml.safe_load(read_text(saved_path, "saved settings"))
     except yaml.YAMLError as e:
@@ -113,8 +113,6 @@ def _check_same_settings(saved_path: Path, settings: Any) -> None:
                           "resume") from e
     if not isinstance(saved, dict):
         raise BituneError(f"{saved_path} is corrupt (not a mapping of settings); cannot check the run to resume")
-    from .settings import upgrade
-
     saved = upgrade(saved)  # an older run's bitune.prompt_passes is a runtime choice, like any resumable key
     now = settings.to_dict()
     changed = sorted(k for k in now if k not in RESUMABLE_KEYS
@@ -129,8 +127,6 @@ def prepare_output_dir(out: Path, settings: Any, resume: bool, write: bool = Tru
     """Check the run folder against this run (:func:`check_run_folder`) and write ``settings.yaml``; return the
     checkpoint to resume from. ``write=False`` only checks; with ``overwrite`` and without ``resume`` the old run
     is deleted first."""
-    from ..files import write_text_atomic
-
     checkpoint = check_run_folder(out, settings, resume, overwrite)
     if not write:
         return checkpoint
@@ -177,8 +173,6 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 def truncate_log(path: Path, step: int) -> None:
     """Drop log lines written after ``step`` by an interrupted run (they are logged again on resume)."""
-    from ..files import write_text_atomic
-
     if not path.is_file():
         return
     kept = []

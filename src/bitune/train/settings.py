@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import inspect
 import math
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from typing import Any
 import yaml
 
 from ..config import PROMPT_PASSES, BituneConfig
+from ..data import datasets
 from ..errors import BituneError
 from ..files import read_text
 from ..hub import DEFAULT_MODEL
@@ -147,14 +150,13 @@ class TrainSettings:
 
     def check_dataset(self) -> None:
         """Reject an unknown dataset name or split, or a malformed local file, before anything runs."""
-        from ..data.datasets import DATASETS, load_examples
-        if self.dataset not in DATASETS and not self.dataset.endswith((".json", ".jsonl")):
-            raise BituneError(f"dataset={self.dataset!r} is not one of {', '.join(DATASETS)} "
+        if self.dataset not in datasets.DATASETS and not self.dataset.endswith((".json", ".jsonl")):
+            raise BituneError(f"dataset={self.dataset!r} is not one of {', '.join(datasets.DATASETS)} "
                               "nor a .json/.jsonl file")
-        if self.dataset not in DATASETS:  # a local file: every row parsed and checked now (errors name row, field)
+        if self.dataset not in datasets.DATASETS:  # a local file: every row parsed and checked now (errors name row, field)
             for split in {self.train_split, self.eval_split} - {None}:
-                load_examples(self.dataset, split)
-        info = DATASETS.get(self.dataset)
+                datasets.load_examples(self.dataset, split)
+        info = datasets.DATASETS.get(self.dataset)
         for field_name in ("train_split", "eval_split"):
             split = getattr(self, field_name)
             if info is not None and split is not None and split not in info.splits:
@@ -208,9 +210,6 @@ def field_names(cls: type) -> list[str]:
 
 def field_docs(cls: type = TrainSettings) -> dict[str, str]:
     """The one-line docstring of every field of a settings dataclass, read from its source."""
-    import inspect
-    import textwrap
-
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}

@@ -34,7 +34,9 @@ import transformers
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch.utils.data import DataLoader, Sampler
+from tqdm.auto import tqdm
 
+from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
 from ..model import BituneModel
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
@@ -112,8 +114,6 @@ class BituneTrainer:
     def train_sampler(self) -> Sampler[int]:
         """The example order: length-grouped by the global batch (``batch_size`` x processes) when
         ``group_by_length``, else uniformly shuffled; both from ``seed`` and the epoch only."""
-        from ..data.sampling import LengthGroupedSampler, ShuffledSampler
-
         data = self.train_dataset
         if not self.group_by_length:
             return ShuffledSampler(len(data), self.settings.seed)
@@ -362,8 +362,6 @@ def _norm(params: list[torch.Tensor]) -> float:
 
 def _progress(total: int, start: int, disable: bool):
     """A tqdm bar over the optimizer steps (time left; the latest loss as a postfix)."""
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=start, disable=disable, dynamic_ncols=True)
 
 

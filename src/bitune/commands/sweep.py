@@ -19,7 +19,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError
+from ..eval import RESULT_FILE
+from ..eval.evaluate import evaluate_run
+from ..eval.report import aggregate, load_records, print_report, write_report
+from ..eval.tasks import make_tasks
+from ..train import load_settings
+from ..train import train as train_run
+from ..train.settings import read_yaml
 
 HELP = "train and evaluate methods x seeds, then report"
 _METHOD = re.compile(r"^([a-z_]+?)(\d+)?$")
@@ -51,8 +59,6 @@ class Method:
 
 def parse_methods(text: str) -> list[Method]:
     """``"pretrained,lora,lora16,bitune"`` -> methods; raises a BituneError naming an unknown one."""
-    from ..config import VARIANTS
-
     methods = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name.endswith((".yaml", ".yml")):
@@ -69,9 +75,6 @@ def parse_methods(text: str) -> list[Method]:
 
 
 def _overlay_method(path: Path) -> Method:
-    from ..config import BituneConfig
-    from ..train.settings import read_yaml
-
     data = read_yaml(path)
     section = data.get("bitune") if isinstance(data.get("bitune"), dict) else {}
     variant = section.get("variant", BituneConfig.variant)
@@ -111,12 +114,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import load_settings
-    from ..train import train as train_run
-    from .cli import RESULT_FILE, evaluate_run
-    from .report import aggregate, load_records, print_report, write_report
-    from .tasks import make_tasks
-
     methods, seeds = parse_methods(args.methods), parse_seeds(args.seeds)
     make_tasks(args.tasks)
     out = Path(args.output_dir)

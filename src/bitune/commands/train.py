@@ -9,20 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..cli import HelpFormatter, add_threads_option
+from .. import config
 from ..config import BituneConfig
+from ..data.datasets import DATASETS
 from ..errors import BituneError
-from .settings import TrainSettings, field_docs, load_settings
+from ..files import check_output_dir
+from ..hub import BUILTIN_MODELS
+from ..train.run_folder import check_run_folder, run_lock
+from ..train.settings import TrainSettings, field_docs, load_settings
+from .options import HelpFormatter, add_threads_option
 
 HELP = "train a Bitune model or a baseline from a YAML config"
 
 
 def _named_values() -> dict[str, str]:
     """What the field docstrings refer to by name (``VARIANTS``, ...), spelled out for ``--help``."""
-    from .. import config
-    from ..data.datasets import DATASETS
-    from ..hub import BUILTIN_MODELS
-
     values = {"VARIANTS": config.VARIANTS, "METHODS": config.METHODS, "TEMPLATES": getattr(config, "TEMPLATES", {}),
               "bitune.config.PROMPT_PASSES": config.PROMPT_PASSES, "bitune.data.datasets.DATASETS": DATASETS,
               "bitune.hub.list_models": BUILTIN_MODELS}
@@ -80,8 +81,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import check_output_dir
-
     settings = load_settings(args.config, args.overrides)
     settings.check_dataset()
     check_output_dir(settings.output_dir, "output_dir")
@@ -92,11 +91,9 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
-    from .run_folder import check_run_folder, run_lock
-
     check_run_folder(Path(settings.output_dir), settings, args.resume, args.overwrite)  # before creating anything
     with run_lock(settings.output_dir):  # held by the main process for the whole run; a second job stops here
-        from .recipe import train  # the model stack: imported once the folder is ours
+        from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
 
         train(settings, resume=args.resume, overwrite=args.overwrite)
     return 0
@@ -126,9 +123,9 @@ def launch(num_processes: int, argv: list[str]) -> int:
     On GPUs each process takes one device (nccl); on CPU the processes talk over gloo and share the cores
     (``OMP_NUM_THREADS`` = cores / processes unless set).
     """
-    import torch
+    import torch  # here, not at the top: help and settings validation do not load torch
 
-    from .trainer import world_size
+    from ..train.trainer import world_size
 
     if world_size() > 1:
         raise BituneError(f"--num-processes: already running in a launched job (WORLD_SIZE={world_size()}); "

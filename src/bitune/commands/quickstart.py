@@ -19,10 +19,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
 
-from .config import BituneConfig
-from .errors import BituneError
-from .files import check_output_dir, write_text_atomic
+from ..config import BituneConfig
+from ..data.datasets import load_examples
+from ..errors import BituneError
+from ..eval.evaluate import evaluate
+from ..eval.lm import BituneLM
+from ..eval.stats import bootstrap_mean, mcnemar_exact
+from ..files import check_output_dir, write_text_atomic
+from ..hub import DEFAULT_MODEL, load_model
+from ..model import BituneModel
+from ..train.recipe import train as run_recipe
+from ..train.settings import TrainSettings
+from .options import HelpFormatter, add_threads_option
 
 HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them (a smoke test)"
 TASK = "arc_easy"
@@ -31,8 +43,6 @@ STUDY = "results/smollm2-arc-csqa/README.md"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from .cli import HelpFormatter, add_threads_option
-
     parser.formatter_class = HelpFormatter
     parser.description = (f"{HELP}. Example:\n  bitune quickstart --threads 2\nThe evidence (3 seeds, full "
                           f"evaluation splits, paired statistics) is the study: {STUDY}")
@@ -69,11 +79,6 @@ def run(args: argparse.Namespace) -> int:
 def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 400,
                batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str | None = None) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
-    from .data.datasets import load_examples
-    from .eval.cli import evaluate
-    from .eval.lm import BituneLM
-    from .hub import DEFAULT_MODEL, load_model
-
     model_name = model_name or DEFAULT_MODEL
     t0 = time.time()
     print(f"quickstart: loading {model_name} and {TASK} (the first run downloads and converts them)")
@@ -109,8 +114,6 @@ def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examp
 def add_statistics(rows: dict[str, dict], correct: dict[str, np.ndarray]) -> None:
     """Add to each row its accuracy's 95% bootstrap interval and, except for LoRA, the paired difference to LoRA
     on the same questions with its 95% interval and the exact McNemar p-value."""
-    from .eval.stats import bootstrap_mean, mcnemar_exact
-
     for variant, row in rows.items():
         ci = bootstrap_mean(correct[variant])
         row["acc_ci"] = [ci.low, ci.high]
@@ -125,13 +128,6 @@ def _trained(variant: str, out: Path, model_name: str, train: list, steps: int, 
              seed: int):
     """A fresh base model wrapped as ``variant``, fine-tuned by ``bitune train``'s recipe unless it is the
     pretrained baseline (on the first ``len(train)`` training questions, the ones :func:`quickstart` loaded)."""
-    import transformers
-
-    from .hub import load_model
-    from .model import BituneModel
-    from .train.recipe import train as run_recipe
-    from .train.settings import TrainSettings
-
     if variant == "pretrained":
         base, _ = load_model(model_name)
         transformers.set_seed(seed)
@@ -145,9 +141,6 @@ def _trained(variant: str, out: Path, model_name: str, train: list, steps: int, 
 
 def print_table(result: dict) -> None:
     """Accuracy with intervals, the paired difference to LoRA, and wall time (rich)."""
-    from rich.console import Console
-    from rich.table import Table
-
     n = result["eval_examples"]
     table = Table(title=f"{result['model']} on {result['task']}: first {n} test questions, "
                         f"{result['steps']} steps x batch {result['batch_size']}, seed {result['seed']}")

@@ -1,62 +1,40 @@
-"""``bitune eval``: evaluate a checkpoint or a base model on the paper's benchmarks with lm-evaluation-harness.
-
-Writes one JSON per run: per-task metrics (``acc``/``acc_norm`` with standard errors for multiple choice,
-``exact_match_strict``/``exact_match_flexible`` for GSM8K, and the number of questions), the run's config (Bitune
-config, base model, checkpoint, training seed when the run folder records it, limit, batch size, package
-versions) and timing. ``bitune report`` aggregates these files over seeds.
+"""Evaluating a model on the paper's benchmarks with lm-evaluation-harness, and the result record ``bitune eval``
+writes: per-task metrics (``acc``/``acc_norm`` with standard errors for multiple choice,
+``exact_match_strict``/``exact_match_flexible`` for GSM8K, and the number of questions), per-question samples, the
+run's config (Bitune config, base model, checkpoint, training seed when the run folder records it, limit, batch
+size, package versions) and timing. ``bitune report`` aggregates these records over seeds.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
 import platform
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import lm_eval
+import torch
+import yaml
+from lm_eval import evaluator
+from lm_eval.tasks import TaskManager
+from rich.console import Console
+from rich.table import Table
+
+from ..checkpoint import load_bitune
 from ..errors import BituneError
-from ..cli import add_prompt_passes_option, add_threads_option
-from ..files import check_output_file, write_text_atomic
+from ..files import write_text_atomic
+from ..generation import pick_template
+from . import RESULT_FILE, SCHEMA
+from .lm import BituneLM
+from .tasks import PREFIX, make_tasks
 
-HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
-RESULT_FILE = "eval.json"
-"""Name of the result file written into an output folder (and looked for by ``bitune report``)."""
-SCHEMA = "bitune-eval/1"
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Evaluate a Bitune checkpoint (any variant) or a base model (as the 'pretrained' "
-                          "baseline), zero-shot, on the paper's benchmarks read offline. Example:\n"
-                          "  bitune eval --checkpoint runs/piqa-42/final --tasks piqa,arc_challenge --limit 100")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="a Bitune checkpoint folder (e.g. a run's final/)")
-    src.add_argument("--model", metavar="NAME", help="a base model name or folder, evaluated untrained")
-    parser.add_argument("--base", metavar="NAME", help="with --checkpoint: base model to load instead of the "
-                        "one the checkpoint records")
-    parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu",
-                        help="comma-separated: piqa, arc_challenge, arc_easy, csqa, siqa, mmlu, gsm8k")
-    parser.add_argument("--template", choices=("paper", "chat"), default=None,
-                        help="paper: the tasks' prompts as they are (the paper's templates); chat: each prompt as a "
-                             "user turn of the tokenizer's chat template, the choice right after the generation "
-                             "prompt. Default: the template the checkpoint was trained with; paper for a base model "
-                             "(--model), as the paper scores the pretrained baseline")
-    parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
-    add_prompt_passes_option(parser)
-    parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
-    parser.add_argument("--max-new-tokens", type=int,
-                        help="GSM8K: cap on generated tokens (default: the task's 256, as in the paper's setup)")
-    parser.add_argument("--label", help="method name in reports (default: derived from the Bitune config)")
-    parser.add_argument("--output", metavar="FILE|DIR",
-                        help=f"result JSON file, or a folder to write {RESULT_FILE} into (default: next to the "
-                             "checkpoint's final/ folder, i.e. the run folder; with --model: print only)")
-    add_threads_option(parser)
+__all__ = ["RESULT_FILE", "SCHEMA", "evaluate", "evaluate_run", "quiet_lm_eval", "task_metrics", "task_samples"]
 
 
 def default_label(config) -> str:
@@ -71,8 +49,7 @@ def default_label(config) -> str:
 
 
 def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
+    """Versions of python and the packages that decide the numbers."""
     out = {"python": platform.python_version()}
     for pkg in ("bitune", "torch", "transformers", "peft", "lm_eval"):
         try:
@@ -84,8 +61,6 @@ def versions() -> dict[str, str]:
 
 def _train_seed(checkpoint: Path) -> int | None:
     """The training seed from the run folder's ``settings.yaml`` (written by ``bitune train``), if any."""
-    import yaml
-
     for folder in (checkpoint, checkpoint.parent):
         path = folder / "settings.yaml"
         if path.is_file():
@@ -96,8 +71,6 @@ def _train_seed(checkpoint: Path) -> int | None:
 
 def task_metrics(results: dict) -> dict[str, dict[str, float]]:
     """lm-eval's ``results`` -> ``{benchmark: {metric: value}}`` with ``,none`` filter suffixes removed."""
-    from .tasks import PREFIX
-
     out = {}
     for task, metrics in results["results"].items():
         clean = {k.split(",")[0]: v for k, v in metrics.items()
@@ -112,8 +85,6 @@ def task_samples(results: dict) -> dict[str, dict[str, list]]:
     """lm-eval's logged samples -> per benchmark, parallel lists over its questions in doc order: ``doc_id``,
     ``gold`` (the target), every per-question metric (``acc``, ``acc_norm`` or ``exact_match_*``: 0/1) and, for
     multiple choice, ``loglik`` (the log-likelihood of each choice). This is what paired comparisons need."""
-    from .tasks import PREFIX
-
     out = {}
     for task, samples in (results.get("samples") or {}).items():
         rows = sorted(samples, key=lambda s: s["doc_id"])
@@ -142,11 +113,6 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
         template: ``"paper"`` (the tasks' prompts as they are) or ``"chat"`` (lm-eval's ``apply_chat_template``:
             each prompt a user turn of the chat template).
     """
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from .tasks import make_tasks
-
     start = time.perf_counter()
     with quiet_lm_eval():
         task_objs = make_tasks(tasks)
@@ -165,16 +131,6 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
     return task_metrics(results), timing, task_samples(results)
 
 
-def output_path(args: argparse.Namespace) -> Path | None:
-    if args.output:
-        out = Path(args.output)
-        return out if out.suffix == ".json" else out / RESULT_FILE
-    if args.checkpoint:
-        ckpt = Path(args.checkpoint).resolve()
-        return (ckpt.parent if ckpt.name == "final" else ckpt) / RESULT_FILE
-    return None
-
-
 class _DropNotOurs(logging.Filter):
     """Drops lm-eval's advice about its own CLI (``--metadata``), which does not apply to ``bitune eval``."""
 
@@ -186,10 +142,6 @@ class _DropNotOurs(logging.Filter):
 def quiet_lm_eval():
     """Silence lm-eval's output that is not ours: its ``--metadata`` advice and the "fatal: not a git repository"
     its git-hash lookup lets git print outside a git checkout (the hash is still recorded when there is one)."""
-    import subprocess
-
-    from lm_eval import evaluator
-
     def git_hash() -> str | None:
         done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True)
         return done.stdout.strip() or None if done.returncode == 0 else None
@@ -209,20 +161,6 @@ def quiet_lm_eval():
             evaluator.get_git_commit_hash = original
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise BituneError(f"--limit must be >= 1, got {args.limit}")
-    if args.batch_size < 1:
-        raise BituneError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if output_path(args) is not None:
-        check_output_file(output_path(args), "--output")  # before the evaluation, not after it
-    evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
-                 limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),
-                 template=args.template, prompt_passes=args.prompt_passes)
-    return 0
-
-
 def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, base: str | None = None,
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
@@ -231,15 +169,8 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
 
     Returns:
-        The result record (see the module docstring).
+        The result record (see the module docstring); ``output`` is written as JSON when given.
     """
-    import torch
-
-    from ..generate import pick_template
-    from ..checkpoint import load_bitune
-    from .lm import BituneLM
-    from .tasks import make_tasks
-
     with quiet_lm_eval():
         make_tasks(tasks)  # unknown task names fail before the model loads
     if template not in (None, "paper", "chat"):
@@ -284,9 +215,6 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
 
 
 def _print(record: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"{record['label']} ({record['config']['model']})")
     for col in ("task", "metric", "value", "stderr", "n"):
         table.add_column(col)

@@ -18,9 +18,18 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from rich.console import Console
+from rich.table import Table
 
-from .files import check_output_file, write_text_atomic
-from .hub import DEFAULT_MODEL
+from ..config import BituneConfig
+from ..data.collate import Collator, pad_id
+from ..data.sampling import grouped_order, padding_share
+from ..files import check_output_file, write_text_atomic
+from ..hub import DEFAULT_MODEL, load_model
+from ..model import BituneModel
+from ..train import load_settings
+from ..train.recipe import load_data
 
 HELP = "benchmark training and generation speed/memory against LoRA"
 
@@ -80,10 +89,6 @@ def _device_dtype(name: str) -> tuple[torch.device, torch.dtype]:
 
 
 def _build(model_name: str, variant: str, device, dtype, **kw):
-    from .config import BituneConfig
-    from .hub import load_model
-    from .model import BituneModel
-
     base, tokenizer = load_model(model_name, dtype=dtype)
     model = BituneModel.wrap(base.to(device), BituneConfig(variant=variant, **kw))
     return model.train(), tokenizer
@@ -210,9 +215,6 @@ def bench_train(args) -> dict:
 
 
 def _print_train(rows, args, device, dtype, default) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     default = default.removeprefix("bitune_")
     table = Table(title=f"Training step, {args.model}, {device.type} {str(dtype).removeprefix('torch.')}, "
                         f"batch {args.batch_size}, median of {args.steps} (default path: {default})")
@@ -277,9 +279,6 @@ def bench_generate(args) -> dict:
         summary.update({f"prefill_ratio{suffix}": rows[name]["prefill_s"] / rows["lora"]["prefill_s"],
                         f"decode_ratio{suffix}": rows[name]["decode_tok_s"] / rows["lora"]["decode_tok_s"],
                         f"total_ratio{suffix}": rows[name]["total_s"] / rows["lora"]["total_s"]})
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"Generation, {args.model}, {device.type}, prompt {args.prompt_tokens} tokens, "
                         f"{args.new_tokens} new tokens, median of {args.repeats}")
     for col in ("model", "prefill s", "decode tok/s", "total s"):
@@ -305,16 +304,6 @@ def bench_data(args) -> dict:
     of the same real lengths, sum(2 P + A) / sum(P + A), and the padding share of a whole epoch with and without
     grouping.
     """
-    import transformers
-
-    from .config import BituneConfig
-    from .data.collate import Collator, pad_id
-    from .data.sampling import grouped_order, padding_share
-    from .hub import load_model
-    from .model import BituneModel
-    from .train import load_settings
-    from .train.recipe import load_data
-
     settings = load_settings(args.config, args.overrides)
     device, dtype = _device_dtype(args.dtype)
     base, tokenizer = load_model(settings.model, dtype=dtype)
@@ -357,8 +346,6 @@ def bench_data(args) -> dict:
                                 "grouped_one_pass": padding_share(lengths, grouped, B, prompt_passes=1),
                                 "random_one_pass": padding_share(lengths, shuffled, B, prompt_passes=1)}}
     result["time_over_flop_ratio"] = result["time_ratio"] / flop
-    from rich.console import Console
-
     pad = result["padding_share"]
     Console().print(
         f"{settings.model} on {settings.dataset}, batch {B}, {args.steps} steps each, {device.type}, "

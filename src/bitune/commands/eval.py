@@ -1,0 +1,71 @@
+"""``bitune eval``: evaluate a checkpoint or a base model on the paper's benchmarks with lm-evaluation-harness
+(:func:`bitune.eval.evaluate.evaluate_run`), writing one result JSON per run for ``bitune report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import BituneError
+from ..eval import RESULT_FILE
+from ..eval.evaluate import evaluate_run
+from ..files import check_output_file
+from .options import add_prompt_passes_option, add_threads_option
+
+HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Evaluate a Bitune checkpoint (any variant) or a base model (as the 'pretrained' "
+                          "baseline), zero-shot, on the paper's benchmarks read offline. Example:\n"
+                          "  bitune eval --checkpoint runs/piqa-42/final --tasks piqa,arc_challenge --limit 100")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="a Bitune checkpoint folder (e.g. a run's final/)")
+    src.add_argument("--model", metavar="NAME", help="a base model name or folder, evaluated untrained")
+    parser.add_argument("--base", metavar="NAME", help="with --checkpoint: base model to load instead of the "
+                        "one the checkpoint records")
+    parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu",
+                        help="comma-separated: piqa, arc_challenge, arc_easy, csqa, siqa, mmlu, gsm8k")
+    parser.add_argument("--template", choices=("paper", "chat"), default=None,
+                        help="paper: the tasks' prompts as they are (the paper's templates); chat: each prompt as a "
+                             "user turn of the tokenizer's chat template, the choice right after the generation "
+                             "prompt. Default: the template the checkpoint was trained with; paper for a base model "
+                             "(--model), as the paper scores the pretrained baseline")
+    parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
+    add_prompt_passes_option(parser)
+    parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
+    parser.add_argument("--max-new-tokens", type=int,
+                        help="GSM8K: cap on generated tokens (default: the task's 256, as in the paper's setup)")
+    parser.add_argument("--label", help="method name in reports (default: derived from the Bitune config)")
+    parser.add_argument("--output", metavar="FILE|DIR",
+                        help=f"result JSON file, or a folder to write {RESULT_FILE} into (default: next to the "
+                             "checkpoint's final/ folder, i.e. the run folder; with --model: print only)")
+    add_threads_option(parser)
+
+
+def output_path(args: argparse.Namespace) -> Path | None:
+    if args.output:
+        out = Path(args.output)
+        return out if out.suffix == ".json" else out / RESULT_FILE
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint).resolve()
+        return (ckpt.parent if ckpt.name == "final" else ckpt) / RESULT_FILE
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise BituneError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise BituneError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if output_path(args) is not None:
+        check_output_file(output_path(args), "--output")  # before the evaluation, not after it
+    evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
+                 limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),
+                 template=args.template, prompt_passes=args.prompt_passes)
+    return 0

@@ -1,0 +1,72 @@
+"""``bitune report``: aggregate ``bitune eval`` results over seeds into the paper's table, accuracy intervals and
+paired differences (:mod:`bitune.eval.report`), written as Markdown, CSV and a figure."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import BituneError
+from ..eval.report import EMBED_BEGIN, build_markdown, embed_report, find_results, load_records, plot_accuracy, \
+    print_report, title_of, write_report
+
+HELP = "aggregate evaluation runs over seeds into the paper's table"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Aggregate eval JSONs (written by 'bitune eval' / 'bitune sweep') over seeds:\n"
+                          "  - mean ± sample std (ddof=1) per method and task, in percent, and the average;\n"
+                          "  - each accuracy with a 95% bootstrap interval over questions;\n"
+                          "  - each method's paired per-question difference to the baselines (bootstrap\n"
+                          "    interval, exact McNemar p per seed); n and --limit in every table;\n"
+                          "  - a figure (report.png): accuracy per method with intervals, seeds as points.\n"
+                          "Example:\n  bitune report runs/sweep   (finds every eval.json below; writes there)")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="eval JSON files or folders searched for eval.json")
+    parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"),
+                        help="multiple-choice metric to tabulate")
+    parser.add_argument("--gsm8k-metric", default="exact_match_strict",
+                        choices=("exact_match_strict", "exact_match_flexible"), help="GSM8K metric to tabulate")
+    parser.add_argument("--output", metavar="DIR",
+                        help="folder for report.md, report.csv and report.png (default: the one folder given)")
+    parser.add_argument("--baselines", default="lora,pretrained",
+                        help="comma-separated methods every other method is compared with, question by question")
+    parser.add_argument("--no-figure", action="store_true", help="do not write report.png")
+    parser.add_argument("--embed", action="append", default=[], metavar="FILE.md",
+                        help="also write the report into this Markdown file, between its 'bitune report: begin' "
+                             "and 'end' marker lines (repeatable)")
+
+
+
+def default_output(paths: list[str]) -> Path:
+    """Next to the runs: the one folder given, or the folder of the one file; several inputs need ``--output``."""
+    if len(paths) == 1:
+        p = Path(paths[0])
+        return p if p.is_dir() else p.parent
+    raise BituneError("several inputs: name the folder for report.md/report.csv/report.png with --output")
+
+
+def run(args: argparse.Namespace) -> int:
+    output = Path(args.output) if args.output else default_output(args.runs)
+    records = load_records(find_results(args.runs))
+    limits = {r["config"].get("limit") for r in records}
+    if len(limits) > 1:
+        print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
+    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines)
+    print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
+    paired = markdown.find("\n## ", markdown.find("## ") + 3)
+    if paired >= 0:
+        print(markdown[paired + 1:])
+    for document in args.embed:  # checked before anything is written
+        if not Path(document).is_file() or EMBED_BEGIN not in Path(document).read_text(encoding="utf-8"):
+            embed_report(Path(document), markdown)  # raises the error naming what is missing
+    md, cs = write_report(report, output, markdown)
+    print(f"bitune report: wrote {md} and {cs}")
+    for document in args.embed:
+        embed_report(Path(document), markdown)
+        print(f"bitune report: updated the report in {document}")
+    if tasks and not args.no_figure:
+        figure = plot_accuracy(tasks, args.metric, output / "report.png")
+        if figure is not None:
+            print(f"bitune report: wrote {figure}")
+    return 0
