@@ -64,3 +64,26 @@ def test_bench_data_runs_on_a_config_and_reports_real_token_rates(tmp_path):
     assert r["padding_share"]["grouped"] < r["padding_share"]["random"]
     assert set(r["tokens_per_s"]) == {"lora", "bitune"}
     assert main(["bench", "data", "--config", str(config), "--steps", "30"]) == 2  # 31 batches of 4 > 40 rows
+
+
+def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests(tmp_path, monkeypatch):
+    from lm_eval.api.instance import Instance
+
+    from bitune.eval import bench_eval
+
+    save_checkpoint(tmp_path)
+
+    class FakeTask:  # three 3-choice questions, as a multiple-choice task hands them to the model
+        instances: list = []
+
+        def build_all_requests(self, limit=None):
+            self.instances = [Instance(request_type="loglikelihood", doc={}, arguments=(f"q{q} pick one:", f" c{c}"),
+                                       idx=c, metadata=("fake", q, 1)) for q in range(3) for c in range(3)]
+
+    monkeypatch.setattr(bench_eval, "make_task", lambda name: FakeTask())
+    out = bench_eval.bench(str(tmp_path / "base"), "fake", limit=3, batch_size=2, rounds=2)
+    assert out["questions"] == 3 and out["requests"] == 9 and out["rounds"] == 2
+    for name in ("hf", "pretrained", "bitune"):
+        assert len(out[f"{name}_s"]) == 2 and out[f"{name}_questions_per_s"] > 0
+    assert out["max_abs_logprob_diff"] < 1e-4 and out["greedy_agree"]  # pretrained scores = lm-eval's hf
+    assert len(out["load_average_before"]) == 3

@@ -32,11 +32,11 @@ from .tasks import make_task
 def bench(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, batch_size: int = 8,
           device: str = "cpu", rounds: int = 2, checkpoint: str | None = None) -> dict:
     """Time ``loglikelihood`` over one task's requests for ``hf``, ``pretrained`` and ``bitune``."""
-    model, tokenizer = load_bitune(pretrained=model_name, device=device)
+    model, tokenizer = load_bitune(model=model_name, device=device)
     if checkpoint:
         two_pass, _ = load_bitune(checkpoint=checkpoint, device=device)
     else:
-        base, _ = load_bitune(pretrained=model_name, device=device)
+        base, _ = load_bitune(model=model_name, device=device)
         two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval()
     t = make_task(task)
     t.build_all_requests(limit=limit)
