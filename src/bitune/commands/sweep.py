@@ -23,6 +23,7 @@ from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError
 from ..eval import RESULT_FILE
 from ..eval.evaluate import evaluate_run
+from .options import add_threads_option
 from ..eval.report import aggregate, load_records, print_report, write_report
 from ..eval.tasks import make_tasks
 from ..train import load_settings
@@ -111,6 +112,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="evaluation device (default: cuda if available)")
     parser.add_argument("--output-dir", required=True, metavar="DIR", help="one subfolder per run, plus the report")
     parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"), help="metric in the report")
+    add_threads_option(parser)
 
 
 def run(args: argparse.Namespace) -> int:
