@@ -6,7 +6,7 @@ steps, scores both and the untrained model on the first ``--eval-examples`` ARC-
 ``bitune`` lm-eval model (the same evaluation as ``bitune eval`` and the study in ``results/``), and prints each
 accuracy with a 95% interval and each model's paired difference to LoRA on the same questions (also written as
 JSON). A smoke test, not a result: 30 steps train little. The evidence is the study (results/*/README.md).
-Sized to stay under 15 minutes on 2 CPU cores (6.9 min measured with --threads 1 beside another job; README).
+Sized to stay under 15 minutes on 2 CPU cores (3.4 min measured in a fresh clone; README).
 """
 
 from __future__ import annotations
