@@ -55,7 +55,28 @@ def grouped_order(lengths: Sequence[tuple[int, int]], batch_size: int, generator
     return [j for b in shuffled + short for j in b]
 
 
-class LengthGroupedSampler(Sampler[int]):
+class _EpochSeeded(Sampler[int]):
+    """A sampler whose only randomness is ``Generator(seed + epoch)``: the same order in every process and after
+    a resume. Subclasses define :meth:`order`."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def epoch_generator(self) -> torch.Generator:  # not `generator`: accelerate reads that attribute
+        return torch.Generator().manual_seed(self.seed + self.epoch)
+
+    def order(self) -> list[int]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order())
+
+
+class LengthGroupedSampler(_EpochSeeded):
     """Indices in length-grouped, seed-determined random order.
 
     Args:
@@ -66,27 +87,19 @@ class LengthGroupedSampler(Sampler[int]):
     """
 
     def __init__(self, lengths: Sequence[tuple[int, int]], batch_size: int, seed: int, megabatch: int = 50):
+        super().__init__(seed)
         self.lengths = [(int(p), int(a)) for p, a in lengths]
         self.batch_size = batch_size
-        self.seed = seed
         self.megabatch = megabatch
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
 
     def order(self) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return grouped_order(self.lengths, self.batch_size, generator, self.megabatch)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order())
+        return grouped_order(self.lengths, self.batch_size, self.epoch_generator(), self.megabatch)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
 
-class ShuffledSampler(Sampler[int]):
+class ShuffledSampler(_EpochSeeded):
     """Indices in uniformly random order, drawn from ``Generator(seed + epoch)`` only (the order torch's
     ``RandomSampler`` gives with that generator), so the same in every process and after a resume.
 
@@ -96,16 +109,11 @@ class ShuffledSampler(Sampler[int]):
     """
 
     def __init__(self, size: int, seed: int):
+        super().__init__(seed)
         self.size = size
-        self.seed = seed
-        self.epoch = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+    def order(self) -> list[int]:
+        return torch.randperm(self.size, generator=self.epoch_generator()).tolist()
 
     def __len__(self) -> int:
         return self.size

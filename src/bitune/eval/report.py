@@ -357,7 +357,7 @@ def load_records(files: list[Path]) -> list[dict]:
 
 
 def _train_seconds(log: Path) -> float | None:
-    """Trainer's ``train_runtime`` from a run folder's ``log.jsonl`` (the last one: a resumed run logs its own)."""
+    """The training wall time ``train_runtime`` from a run folder's ``log.jsonl`` (the last one: a resumed run logs its own)."""
     if not log.is_file():
         return None
     found = None
