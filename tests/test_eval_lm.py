@@ -71,6 +71,20 @@ def test_context_cache_reuse_matches_scoring_each_choice_alone():
         assert ga == gb
 
 
+def test_continuations_split_over_rows_and_passes_score_the_same():
+    """A context whose choices fill several packed rows, rows spread over several answer passes: same scores."""
+    tok = tiny_tokenizer()
+    model = bitune_model("bitune")
+    one_pass = BituneLM(model=model, tokenizer=tok, batch_size=4).loglikelihood(requests(PAIRS), disable_tqdm=True)
+    lm = BituneLM(model=model, tokenizer=tok, batch_size=4)
+    lm.PACK_TOKENS, lm.ANSWER_TOKENS = 4, 6  # at most 4 positions per row, few rows per pass
+    assert [len(part) for part in lm._pack([0, 1, 2], [[1, 2, 3, 4]] * 3)] == [1, 1, 1]  # a row per choice
+    split = lm.loglikelihood(requests(PAIRS), disable_tqdm=True)
+    for (a, ga), (b, gb) in zip(split, one_pass):
+        assert a == pytest.approx(b, abs=1e-5)
+        assert ga == gb
+
+
 def test_bitune_scores_through_the_model_forward():
     """For a multi-token context the score is the model's own forward on (context, continuation)."""
     tok = tiny_tokenizer()

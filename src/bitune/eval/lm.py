@@ -5,8 +5,10 @@ token lists, which is exactly where a Bitune model differs from a plain causal L
 (read by the prompt passes and mixed), the continuation is the answer (scored by the causal answer pass).
 
 Scoring: requests are grouped by context; each distinct context is prefilled ONCE (batched over contexts,
-left-padded) and all of its continuations are scored from copies of that cache (:meth:`Prefill.select`), in
-batches. For the baselines (``pretrained``, ``lora``) this equals lm-eval's ``hf`` model on the same weights.
+left-padded) and all of its continuations are packed into one row of the answer pass behind the context's last
+token (:mod:`bitune.scoring`): every choice of ``batch_size`` contexts in one forward, no padding between
+choices, the last context token computed once. For the baselines (``pretrained``, ``lora``) this equals lm-eval's
+``hf`` model on the same weights.
 
 Edge cases, defined so that results stay sound:
 
@@ -39,6 +41,7 @@ from ..checkpoint import load_bitune
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..model import BituneModel, token_logprobs
+from ..scoring import score_continuations
 
 Request = tuple[tuple[str, str], list[int], list[int]]
 
@@ -162,38 +165,56 @@ class BituneLM(TemplateLM):
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="bitune loglikelihood")
         for start in range(0, len(contexts), self.batch_size):
             chunk = contexts[start:start + self.batch_size]
-            rows = [(c, i) for c, ctx in enumerate(chunk) for i in groups[ctx]]  # (context in chunk, request)
-            long_ = [c for c, ctx in enumerate(chunk) if len(ctx) >= 2]
-            prefill = self.model.prefill(*self._left_pad([list(chunk[c]) for c in long_])) if long_ else None
-            slot = {c: j for j, c in enumerate(long_)}
-            for part in self._answer_batches(rows, conts):  # every choice of the chunk, in few answer passes
-                short = [(c, i) for c, i in part if c not in slot]
-                full = [(c, i) for c, i in part if c in slot]
-                if full:
-                    index = torch.tensor([slot[c] for c, _ in full], device=self.device)
-                    ids, mask = self._right_pad([conts[i] for _, i in full])
-                    logits = self.model.answer_logits(prefill.select(index), ids, mask, reuse=False)  # (b, A, V)
-                    self._collect(results, [i for _, i in full], logits, ids, mask)
-                if short:
-                    self._score_causal(results, [(chunk[c], i) for c, i in short], conts)
-                pbar.update(len(part))
+            long_ = [ctx for ctx in chunk if len(ctx) >= 2]
+            if long_:
+                prefill = self.model.prefill(*self._left_pad([list(ctx) for ctx in long_]))
+                rows = [(slot, part) for slot, ctx in enumerate(long_) for part in self._pack(groups[ctx], conts)]
+                passes = self._answer_batches(rows, conts)
+                for batch in passes:  # every choice of the chunk, packed per context, in few answer passes
+                    index = [slot for slot, _ in batch]
+                    reuse = len(passes) > 1 or index != list(range(len(long_)))
+                    state = prefill.select(torch.tensor(index, device=self.device)) if reuse else prefill
+                    scores = score_continuations(self.model, state, [[conts[i] for i in part] for _, part in batch])
+                    for i, score in zip((i for _, part in batch for i in part), scores):
+                        results[i] = score
+            short = [(ctx, i) for ctx in chunk if len(ctx) < 2 for i in groups[ctx]]
+            for part in range(0, len(short), self.batch_size):
+                self._score_causal(results, short[part:part + self.batch_size], conts)
+            pbar.update(sum(len(groups[ctx]) for ctx in chunk))
         pbar.close()
         return results
 
     ANSWER_TOKENS = 2048
-    """Most answer positions (rows x longest continuation) scored in one answer pass: bounds the (rows, A, V)
+    """Most answer positions (rows x longest packed row) scored in one answer pass: bounds the (rows, L, V)
     logits (400 MB in float32 for a 49k vocabulary)."""
 
-    def _answer_batches(self, rows: list[tuple[int, int]], conts: list[list[int]]) -> list[list[tuple[int, int]]]:
-        """Split a chunk's (context, request) rows into answer passes of at most ``ANSWER_TOKENS`` positions.
+    PACK_TOKENS = 512
+    """Most positions in one packed row (a context's continuations beyond this go to further rows)."""
 
-        All continuations of ``batch_size`` contexts usually fit in one pass (e.g. 8 ARC questions x 4 choices):
-        one forward instead of one per ``batch_size`` rows.
-        """
-        batches: list[list[tuple[int, int]]] = []
+    def _pack(self, request_ids: list[int], conts: list[list[int]]) -> list[list[int]]:
+        """Split one context's requests into packed rows of at most ``PACK_TOKENS`` positions (x_P plus each
+        continuation without its last token); a longer continuation gets a row of its own."""
+        parts: list[list[int]] = []
+        size = 0
+        for i in request_ids:
+            n = len(conts[i]) - 1
+            if parts and size + n <= self.PACK_TOKENS:
+                parts[-1].append(i)
+                size += n
+            else:
+                parts.append([i])
+                size = 1 + n
+        return parts
+
+    def _answer_batches(self, rows: list[tuple[int, list[int]]],
+                        conts: list[list[int]]) -> list[list[tuple[int, list[int]]]]:
+        """Split a chunk's packed rows (context slot, requests) into answer passes of at most ``ANSWER_TOKENS``
+        positions. All choices of ``batch_size`` contexts usually fit in one pass (e.g. 8 ARC questions x 4
+        choices: 8 rows of ~15 positions): one forward per chunk."""
+        batches: list[list[tuple[int, list[int]]]] = []
         longest = 0
         for row in rows:
-            n = len(conts[row[1]])
+            n = 1 + sum(len(conts[i]) - 1 for i in row[1])
             if batches and max(longest, n) * (len(batches[-1]) + 1) <= max(self.ANSWER_TOKENS, n):
                 batches[-1].append(row)
                 longest = max(longest, n)

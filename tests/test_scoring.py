@@ -1,0 +1,87 @@
+"""Packed scoring (several continuations of a prompt in one row) == each continuation in its own answer pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from bitune import BituneConfig, BituneModel
+from bitune.model import token_logprobs
+from bitune.scoring import pack, score_continuations
+from conftest import _COMMON, VOCAB, perturb_adapters, tiny_model
+
+
+def model_for(arch: str, attn: str, variant: str) -> BituneModel:
+    if arch == "mistral_window4":  # one layer type, every layer sliding, window shorter than the prompts
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(MistralConfig(num_key_value_heads=2, sliding_window=4, **_COMMON),
+                                                attn_implementation=attn).eval()
+    else:
+        base = tiny_model(arch, attn=attn)
+    model = BituneModel.wrap(base, BituneConfig(variant=variant))
+    return (perturb_adapters(model, scale=0.3) if variant != "pretrained" else model).eval()
+
+
+def prompts_and_choices(seed: int = 0):
+    """Left-padded prompts of 3-9 tokens (longer than gemma3's window of 4), 1-4 continuations of 1-6 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [9, 3, 6, 5]
+    P = max(lens)
+    ids = torch.zeros(len(lens), P, dtype=torch.long)
+    mask = torch.zeros(len(lens), P, dtype=torch.long)
+    for r, n in enumerate(lens):
+        ids[r, P - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        mask[r, P - n:] = 1
+    choices = [[torch.randint(3, VOCAB, (int(k),), generator=g).tolist() for k in sizes]
+               for sizes in ([1, 4, 2, 6], [3], [5, 1], [2, 2, 6])]
+    return ids, mask, choices
+
+
+def alone(model: BituneModel, prefill, r: int, cont: list[int]) -> tuple[float, bool]:
+    """One continuation in its own answer pass on a copy of prompt r's cache."""
+    ids = torch.tensor([cont])
+    mask = torch.ones_like(ids)
+    logits = model.answer_logits(prefill.select(torch.tensor([r])), ids, mask)
+    return float(token_logprobs(logits, ids, mask).sum()), bool((logits.argmax(-1) == ids).all())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "mistral_window4"])
+@pytest.mark.parametrize("variant", ["pretrained", "bitune"])
+def test_packed_scores_equal_separate_answer_passes(arch, attn, variant):
+    model = model_for(arch, attn, variant)
+    ids, mask, choices = prompts_and_choices()
+    with torch.no_grad():
+        prefill = model.prefill(ids, mask)
+        expected = [alone(model, prefill, r, c) for r, conts in enumerate(choices) for c in conts]
+        packed = score_continuations(model, prefill.select(torch.arange(len(choices))), choices)
+    assert len(packed) == len(expected)
+    for (a, ga), (b, gb) in zip(packed, expected):
+        assert a == pytest.approx(b, abs=1e-5)
+        assert ga == gb
+
+
+def test_greedy_flag_follows_the_argmax_continuation():
+    model = model_for("llama", "sdpa", "bitune")
+    ids, mask, _ = prompts_and_choices()
+    with torch.no_grad():
+        prefill = model.prefill(ids[:1], mask[:1])
+        best = int(model.answer_logits(prefill, torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long))[0, 0]
+                   .argmax())
+        other = (best + 1) % VOCAB
+        scores = score_continuations(model, prefill.select(torch.tensor([0])), [[[best], [other]]])
+    assert [greedy for _, greedy in scores] == [True, False]
+
+
+def test_pack_layout():
+    """x_P once, each continuation without its last token; x_P predicts every first token."""
+    packed = pack([9], [[[5, 6, 7], [8], [3, 4]]])
+    assert packed.ids.tolist() == [[9, 5, 6, 3]]
+    assert packed.branch.tolist() == [[0, 1, 1, 3]]
+    assert packed.offset.tolist() == [[0, 1, 2, 1]]
+    assert packed.targets.tolist() == [5, 6, 7, 8, 3, 4]
+    assert packed.columns.tolist() == [0, 1, 2, 0, 0, 3]
+    assert packed.owner.tolist() == [0, 0, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="empty continuation"):
+        pack([9], [[[]]])
