@@ -72,13 +72,14 @@ def test_context_cache_reuse_matches_scoring_each_choice_alone():
 
 
 def test_continuations_split_over_rows_and_passes_score_the_same():
-    """A context whose choices fill several packed rows, rows spread over several answer passes: same scores."""
+    """Choices of one context spread over several answer passes, few contexts per pass: same scores."""
     tok = tiny_tokenizer()
     model = bitune_model("bitune")
     one_pass = BituneLM(model=model, tokenizer=tok, batch_size=4).loglikelihood(requests(PAIRS), disable_tqdm=True)
     lm = BituneLM(model=model, tokenizer=tok, batch_size=4)
-    lm.PACK_TOKENS, lm.ANSWER_TOKENS = 4, 6  # at most 4 positions per row, few rows per pass
-    assert [len(part) for part in lm._pack([0, 1, 2], [[1, 2, 3, 4]] * 3)] == [1, 1, 1]  # a row per choice
+    lm.ANSWER_TOKENS, lm.ANSWER_KEYS = 8, 15  # at most 8 positions and one context of 10 keys per pass
+    parts = lm._answer_passes([[0, 1], [2], [3]], [[1, 2, 3, 4]] * 3 + [[5]], cached=10)
+    assert parts == [[[0, 1], [], []], [[], [2], []], [[], [], [3]]]
     split = lm.loglikelihood(requests(PAIRS), disable_tqdm=True)
     for (a, ga), (b, gb) in zip(split, one_pass):
         assert a == pytest.approx(b, abs=1e-5)

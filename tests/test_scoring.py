@@ -55,11 +55,16 @@ def test_packed_scores_equal_separate_answer_passes(arch, attn, variant):
     with torch.no_grad():
         prefill = model.prefill(ids, mask)
         expected = [alone(model, prefill, r, c) for r, conts in enumerate(choices) for c in conts]
-        packed = score_continuations(model, prefill.select(torch.arange(len(choices))), choices)
+        packed = score_continuations(model, prefill, choices)
+        again = score_continuations(model, prefill, choices)  # the prefill is left as it was
+        skip = score_continuations(model, prefill, [choices[0], [], choices[2], []])  # rows left out
     assert len(packed) == len(expected)
     for (a, ga), (b, gb) in zip(packed, expected):
         assert a == pytest.approx(b, abs=1e-5)
         assert ga == gb
+    assert [a for a, _ in again] == pytest.approx([a for a, _ in packed], abs=1e-6)
+    kept = expected[:len(choices[0])] + expected[len(choices[0]) + len(choices[1]):][:len(choices[2])]
+    assert [a for a, _ in skip] == pytest.approx([a for a, _ in kept], abs=1e-5)
 
 
 def test_greedy_flag_follows_the_argmax_continuation():
@@ -70,18 +75,19 @@ def test_greedy_flag_follows_the_argmax_continuation():
         best = int(model.answer_logits(prefill, torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long))[0, 0]
                    .argmax())
         other = (best + 1) % VOCAB
-        scores = score_continuations(model, prefill.select(torch.tensor([0])), [[[best], [other]]])
+        scores = score_continuations(model, prefill, [[[best], [other]]])
     assert [greedy for _, greedy in scores] == [True, False]
 
 
 def test_pack_layout():
-    """x_P once, each continuation without its last token; x_P predicts every first token."""
-    packed = pack([9], [[[5, 6, 7], [8], [3, 4]]])
-    assert packed.ids.tolist() == [[9, 5, 6, 3]]
-    assert packed.branch.tolist() == [[0, 1, 1, 3]]
-    assert packed.offset.tolist() == [[0, 1, 2, 1]]
-    assert packed.targets.tolist() == [5, 6, 7, 8, 3, 4]
-    assert packed.columns.tolist() == [0, 1, 2, 0, 0, 3]
-    assert packed.owner.tolist() == [0, 0, 0, 1, 2, 2]
+    """Per prompt, x_P once and each continuation without its last token; x_P predicts every first token."""
+    packed = pack([9, 7], [[[5, 6, 7], [8], [3, 4]], [[2, 2]]])
+    assert packed.ids.tolist() == [9, 5, 6, 3, 7, 2]
+    assert packed.row.tolist() == [0, 0, 0, 0, 1, 1]
+    assert packed.branch.tolist() == [0, 1, 1, 3, 0, 1]
+    assert packed.offset.tolist() == [0, 1, 2, 1, 0, 1]
+    assert packed.targets.tolist() == [5, 6, 7, 8, 3, 4, 2, 2]
+    assert packed.columns.tolist() == [0, 1, 2, 0, 0, 3, 4, 5]
+    assert packed.owner.tolist() == [0, 0, 0, 1, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="empty continuation"):
         pack([9], [[[]]])

@@ -91,6 +91,19 @@ def select_rows(cache, index: torch.Tensor):
     return out
 
 
+def flatten_rows(cache, rows: torch.Tensor):
+    """A new one-row cache holding rows ``rows`` of ``cache`` one after another along the sequence: layer keys
+    (B, h, T, d) become (1, h, len(rows) * T, d). For a packed answer pass whose mask keeps each row's tokens
+    on its own keys (:mod:`bitune.scoring`); the original is left untouched."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in out.layers:
+        for name in ("keys", "values"):
+            x = getattr(layer, name).index_select(0, rows.to(layer.keys.device))  # (R, h, T, d)
+            setattr(layer, name, x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]))  # (1, h, R*T, d)
+    return out
+
+
 def extendable_copy(cache, config, rows: torch.Tensor, stop_after_layer: int | None):
     """A prompt cache holding rows ``rows`` of ``cache`` (or an empty one), which a prompt pass can extend."""
     if cache is None:

@@ -1,106 +1,120 @@
-"""Scoring several answers to one prompt in one row of the answer pass.
+"""Scoring several answers to several prompts in one packed answer pass, without padding.
 
-Multiple-choice evaluation scores continuations c_1..c_m of each prompt. Run as m right-padded rows on copies of
-the prompt cache, the answer pass computes m * max|c_i| positions, the prompt's last token x_P m times. Packed,
-one row holds x_P once, then every continuation without its last token::
+Multiple-choice evaluation scores continuations c_1..c_m of each prompt. Run as right-padded rows on copies of
+the prompt cache, the answer pass computes m * max|c_i| positions per prompt and the prompt's last token x_P m
+times. Packed, one sequence holds, prompt after prompt, x_P once and then every continuation without its last
+token::
 
-    [x_P | c_1[:-1] | c_2[:-1] | ... | c_m[:-1]]        1 + sum(|c_i| - 1) positions
+    [x_P | c_1[:-1] | ... | c_m[:-1]] [x'_P | c'_1[:-1] | ...] ...     sum over prompts of 1 + sum(|c_i| - 1)
 
-and a mask lets each continuation see the prompt cache, x_P and its own earlier tokens only, at the positions it
-would have alone (each continues from x_P's). The logits are those of the separate rows (up to float rounding:
-tests hold it to the padded answer pass and to lm-eval's ``hf`` model); the positions computed are the real ones.
+on a one-row cache holding the prompts' caches one after another (:func:`bitune.cache.flatten_rows`). The mask
+lets each continuation see its own prompt's cached keys, its x_P and its own earlier tokens only, at the
+positions it would have alone. The logits are those of separate answer passes (up to float rounding: tests hold
+it to :meth:`~bitune.model.BituneModel.answer_logits` and to lm-eval's ``hf`` model), and every computed
+position is a real one. Attention is computed per packed prompt (:func:`packed_attention`: its positions against
+its own cached keys and itself), not over the dense (S, R*T + S) mask; a caller still bounds S and R*T, which the
+mask and the logits grow with (``BituneLM.ANSWER_TOKENS`` / ``ANSWER_KEYS``).
+
+This module alone owns the packed pass's mask and its attention function (registered with transformers'
+``AttentionInterface``).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from transformers import AttentionInterface
 
+from . import cache as kv
+from .fused import attention_implementation, inner_attention
 from .masks import check_implementation, position_ids
 from .passes import Prefill
+
+NAME = "bitune_packed"
 
 
 @dataclass
 class Packed:
-    """Continuations packed into rows (``R`` rows of ``L`` positions).
+    """Continuations of several prompts packed into one sequence of S positions.
 
     Attributes:
-        ids: (R, L) input ids: x_P, then each continuation without its last token; padding repeats x_P.
-        branch: (R, L) which continuation a position belongs to (0 for x_P, i for c_i, -1 for padding).
-        offset: (R, L) positions after x_P (0 for x_P, t for a continuation's t-th input token).
-        targets: (N,) every continuation token to score, continuation by continuation, row by row.
-        rows, columns: (N,) where the logits predicting ``targets`` are.
+        ids: (S,) input ids: per prompt, x_P, then each continuation without its last token.
+        row: (S,) which packed prompt (0..R-1) a position belongs to.
+        branch: (S,) which continuation of its prompt (0 for x_P, i for c_i).
+        offset: (S,) positions after x_P (0 for x_P, t for a continuation's t-th input token).
+        targets: (N,) every continuation token to score, in input order.
+        columns: (N,) where the logits predicting ``targets`` are.
         owner: (N,) which continuation (0..C-1, in input order) each target belongs to.
     """
 
     ids: torch.Tensor
+    row: torch.Tensor
     branch: torch.Tensor
     offset: torch.Tensor
     targets: torch.Tensor
-    rows: torch.Tensor
     columns: torch.Tensor
     owner: torch.Tensor
 
 
 def pack(last_tokens: list[int], continuations: list[list[list[int]]], device=None) -> Packed:
-    """Pack ``continuations[r]`` (each a non-empty token list) of prompt row r behind its ``last_tokens[r]``."""
-    rows = [[x] for x in last_tokens]
-    branch = [[0] for _ in last_tokens]
-    offset = [[0] for _ in last_tokens]
-    targets, at_row, at_col, owner = [], [], [], []
+    """Pack ``continuations[r]`` (non-empty token lists) behind ``last_tokens[r]``, prompt after prompt."""
+    ids, row, branch, offset = [], [], [], []
+    targets, columns, owner = [], [], []
     n = 0
-    for r, conts in enumerate(continuations):
+    for r, (last, conts) in enumerate(zip(last_tokens, continuations, strict=True)):
+        first = len(ids)
+        ids.append(last)
+        row.append(r)
+        branch.append(0)
+        offset.append(0)
         for i, cont in enumerate(conts, start=1):
             if not cont:
                 raise ValueError("an empty continuation has nothing to score")
-            start = len(rows[r])
-            rows[r] += cont[:-1]
-            branch[r] += [i] * (len(cont) - 1)
-            offset[r] += range(1, len(cont))
+            columns += [first] + list(range(len(ids), len(ids) + len(cont) - 1))  # x_P predicts the first token
+            ids += cont[:-1]
+            row += [r] * (len(cont) - 1)
+            branch += [i] * (len(cont) - 1)
+            offset += range(1, len(cont))
             targets += cont
-            at_row += [r] * len(cont)
-            at_col += [0] + list(range(start, start + len(cont) - 1))  # x_P predicts the first token
             owner += [n] * len(cont)
             n += 1
-    L = max(len(r) for r in rows)
-
-    def tensor(lists, fill):  # right-padded (R, L)
-        return torch.tensor([x + [fill] * (L - len(x)) for x in lists], dtype=torch.long, device=device)
-
-    return Packed(torch.tensor([r + [r[0]] * (L - len(r)) for r in rows], device=device), tensor(branch, -1),
-                  tensor(offset, 0), *(torch.tensor(x, dtype=torch.long, device=device)
-                                       for x in (targets, at_row, at_col, owner)))
+    return Packed(*(torch.tensor(x, dtype=torch.long, device=device)
+                    for x in (ids, row, branch, offset, targets, columns, owner)))
 
 
-def packed_mask(prefill: Prefill, packed: Packed, config, dtype: torch.dtype, attn_implementation: str,
+def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.dtype, attn_implementation: str,
                 cached: dict[str | None, int]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The (R, 1, L, K + L) mask of a packed answer pass over ``prefill`` (K cached keys per layer type).
+    """The (1, 1, S, R*K + S) mask of a packed answer pass on R flattened prompt caches of K keys each.
 
     Args:
-        cached: keys in the cache per layer type (``None`` for models with one type); sliding-window layers
-            keep only their last ``window - 1`` keys.
+        prompt_mask: (R, T) mask of the cached prompt tokens (left padding), one row per packed prompt.
+        cached: keys per row held by each layer type's cache (``None`` for models with one type); sliding-window
+            layers keep only their last ``window - 1``.
     """
     check_implementation(attn_implementation)
-    real = packed.branch >= 0  # (R, L)
-    L = real.shape[1]
-    q_branch, k_branch = packed.branch[:, :, None], packed.branch[:, None, :]  # (R, L, 1), (R, 1, L)
-    earlier = torch.ones(L, L, dtype=torch.bool, device=real.device).tril()  # key index <= query index
-    own = ((k_branch == 0) | (k_branch == q_branch)) & earlier & real[:, None, :]  # (R, L, L)
-    cache_positions = position_ids(prefill.mask)  # (R, T)
-    start = prefill.mask.sum(1)  # (R,) x_P's position
-    q_pos = start[:, None] + packed.offset  # (R, L)
-    eye = torch.eye(L, dtype=torch.bool, device=real.device)
+    R, T = prompt_mask.shape
+    S = packed.ids.shape[0]
+    same_row = packed.row[:, None] == packed.row[None, :]  # (S, S)
+    same_branch = (packed.branch[None, :] == 0) | (packed.branch[None, :] == packed.branch[:, None])
+    earlier = torch.ones(S, S, dtype=torch.bool, device=prompt_mask.device).tril()
+    own = same_row & same_branch & earlier  # (S, S)
+    start = prompt_mask.sum(1)  # (R,) x_P's position
+    q_pos = start[packed.row] + packed.offset  # (S,)
+    mine = packed.row[:, None] == torch.arange(R, device=prompt_mask.device)[None, :]  # (S, R)
 
     def build(layer_type: str | None, window: int | None) -> torch.Tensor:
         K = cached[layer_type]
-        cache_ok = prefill.mask[:, prefill.mask.shape[1] - K:].bool()[:, None, :].expand(-1, L, -1)  # (R, L, K)
+        real = prompt_mask[:, T - K:].bool()  # (R, K)
+        cache_ok = mine[:, :, None] & real[None]  # (S, R, K)
         packed_ok = own
         if window is not None:
-            cache_ok = cache_ok & (q_pos[:, :, None] - cache_positions[:, None, -K:] < window) if K else cache_ok
-            packed_ok = own & (packed.offset[:, :, None] - packed.offset[:, None, :] < window)
-        ok = torch.cat([cache_ok, packed_ok | eye], dim=-1)[:, None]  # (R, 1, L, K + L); padding sees itself
+            k_pos = position_ids(prompt_mask)[:, T - K:]  # (R, K)
+            cache_ok = cache_ok & (q_pos[:, None, None] - k_pos[None] < window)
+            packed_ok = own & (packed.offset[:, None] - packed.offset[None, :] < window)
+        ok = torch.cat([cache_ok.reshape(S, R * K), packed_ok], dim=-1)[None, None]  # (1, 1, S, R*K + S)
         if attn_implementation != "eager":
             return ok
         return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
@@ -113,7 +127,7 @@ def packed_mask(prefill: Prefill, packed: Packed, config, dtype: torch.dtype, at
 
 
 def cached_keys(cache, config) -> dict[str | None, int]:
-    """Keys held per layer type by a filled cache (sliding-window layers may hold fewer)."""
+    """Keys per row held by each layer type of a filled cache (sliding-window layers may hold fewer)."""
     layer_types = list(getattr(config, "layer_types", None) or ())
     if "sliding_attention" not in layer_types:
         return {None: cache.layers[0].keys.shape[-2]}
@@ -121,32 +135,84 @@ def cached_keys(cache, config) -> dict[str | None, int]:
 
 
 def score_continuations(model, prefill: Prefill, continuations: list[list[list[int]]]) -> list[tuple[float, bool]]:
-    """Sum of log-probabilities and is-greedy of every continuation, scored in one packed answer pass.
+    """Sum of log-probabilities and is-greedy of every continuation, in one packed answer pass.
 
     Args:
         model: a :class:`~bitune.model.BituneModel`.
-        prefill: R prompts read by :meth:`~bitune.model.BituneModel.prefill`; its cache is extended in place
-            (pass a :meth:`Prefill.select` copy to keep it).
-        continuations: per prompt row, the token lists to score after it.
+        prefill: prompts read by :meth:`~bitune.model.BituneModel.prefill` (left untouched).
+        continuations: per prefill row, the token lists to score after it (an empty list skips the row).
 
     Returns:
         ``(log p(c | prompt), c is the greedy continuation)`` per continuation, row by row, in input order.
     """
+    if len(continuations) != prefill.mask.shape[0]:
+        raise ValueError(f"{len(continuations)} lists of continuations for a prefill of {prefill.mask.shape[0]} rows")
+    used = [r for r, conts in enumerate(continuations) if conts]
+    if not used:
+        return []
     device = prefill.mask.device
-    packed = pack(prefill.last_token[:, 0].tolist(), continuations, device)
+    rows = torch.tensor(used, device=device)
+    packed = pack(prefill.last_token[rows, 0].tolist(), [continuations[r] for r in used], device)
+    prompt_mask = prefill.mask[rows]  # (R, T)
+    cache = kv.flatten_rows(prefill.cache, rows)
     base = model.weights.base
-    attn = packed_mask(prefill, packed, model.text_config, next(base.parameters()).dtype,
+    attn = packed_mask(prompt_mask, packed, model.text_config, next(base.parameters()).dtype,
                        base.config._attn_implementation, cached_keys(prefill.cache, model.text_config))
-    positions = (prefill.mask.sum(1, keepdim=True) + packed.offset) * (packed.branch >= 0)  # (R, L)
-    out = model.weights.call("causal", input_ids=packed.ids, attention_mask=attn, position_ids=positions,
-                             cache=prefill.cache, use_cache=True)
-    logits = out.logits[packed.rows, packed.columns].float()  # (N, V)
-    logp = F.log_softmax(logits, dim=-1).gather(-1, packed.targets[:, None])[:, 0]  # (N,)
-    hit = (logits.argmax(-1) == packed.targets).float()  # (N,)
+    positions = prompt_mask.sum(1)[packed.row] + packed.offset  # (S,)
+    bounds = torch.cumsum(torch.bincount(packed.row, minlength=len(used)), 0).tolist()  # each prompt's end
+    with packed_attention_in(base, list(zip([0] + bounds[:-1], bounds))):
+        out = model.weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
+                                 position_ids=positions[None], cache=cache, use_cache=True)
+    logits = out.logits[0, packed.columns]  # (N, V)
+    target = logits.gather(-1, packed.targets[:, None])[:, 0]  # (N,)
+    logp = target.float() - torch.logsumexp(logits.float(), dim=-1)  # (N,)
+    misses = (logits.max(-1).indices != packed.targets).float()  # (N,)
     count = int(packed.owner[-1]) + 1
     total = torch.zeros(count, device=device).index_add_(0, packed.owner, logp)
-    misses = torch.zeros(count, device=device).index_add_(0, packed.owner, 1 - hit)
-    return [(float(s), bool(m == 0)) for s, m in zip(total.tolist(), misses.tolist())]
+    missed = torch.zeros(count, device=device).index_add_(0, packed.owner, misses)
+    return [(float(s), m == 0) for s, m in zip(total.tolist(), missed.tolist())]
 
 
-__all__ = ["Packed", "pack", "packed_mask", "cached_keys", "score_continuations"]
+# --------------------------------------------------------------------------------------------------- attention
+_SPANS: ContextVar[tuple[list[tuple[int, int]], str] | None] = ContextVar("bitune_packed_spans", default=None)
+
+
+def packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention of a packed answer pass, prompt by prompt: query (1, h, S, d), key/value (1, h_kv, R*K + S, d),
+    mask (1, 1, S, R*K + S); returns ((1, S, h, d), None).
+
+    The dense mask lets the positions of packed prompt r see only prompt r's K cached keys and its own positions,
+    so each prompt is computed alone, with the model's own attention implementation: the dense result, at
+    (S_r, K + S_r) scores per prompt instead of (S, R*K + S).
+    """
+    spans, impl = _SPANS.get()
+    inner = inner_attention(module, impl)
+    R, S = len(spans), query.shape[2]
+    K = (key.shape[2] - S) // R  # keys per prompt in this layer (sliding-window layers keep fewer)
+    outs = []
+    for r, (a, b) in enumerate(spans):
+        keys = torch.cat([key[:, :, r * K:(r + 1) * K], key[:, :, R * K + a:R * K + b]], dim=2)
+        values = torch.cat([value[:, :, r * K:(r + 1) * K], value[:, :, R * K + a:R * K + b]], dim=2)
+        mask = torch.cat([attention_mask[:, :, a:b, r * K:(r + 1) * K], attention_mask[:, :, a:b, R * K + a:R * K + b]],
+                         dim=-1)
+        out, _ = inner(module, query[:, :, a:b], keys, values, mask, **kwargs)  # (1, S_r, h, d)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(NAME, packed_attention)
+
+
+@contextmanager
+def packed_attention_in(model, spans: list[tuple[int, int]]):
+    """Within this block, ``model`` computes attention with :func:`packed_attention` over prompts at ``spans``
+    (start, end) of the packed sequence."""
+    token = _SPANS.set((spans, model.config._attn_implementation))
+    try:
+        with attention_implementation(model, NAME):
+            yield
+    finally:
+        _SPANS.reset(token)
+
+
+__all__ = ["Packed", "pack", "packed_mask", "cached_keys", "score_continuations", "packed_attention"]

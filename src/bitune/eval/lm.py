@@ -5,9 +5,9 @@ token lists, which is exactly where a Bitune model differs from a plain causal L
 (read by the prompt passes and mixed), the continuation is the answer (scored by the causal answer pass).
 
 Scoring: requests are grouped by context; each distinct context is prefilled ONCE (batched over contexts,
-left-padded) and all of its continuations are packed into one row of the answer pass behind the context's last
-token (:mod:`bitune.scoring`): every choice of ``batch_size`` contexts in one forward, no padding between
-choices, the last context token computed once. For the baselines (``pretrained``, ``lora``) this equals lm-eval's
+left-padded) and all continuations of a chunk of contexts are packed into one sequence of the answer pass, each
+context's last token once, then its choices (:mod:`bitune.scoring`): every choice of ``batch_size`` contexts in
+one forward, no padding in the answer pass. For the baselines (``pretrained``, ``lora``) this equals lm-eval's
 ``hf`` model on the same weights.
 
 Edge cases, defined so that results stay sound:
@@ -168,14 +168,9 @@ class BituneLM(TemplateLM):
             long_ = [ctx for ctx in chunk if len(ctx) >= 2]
             if long_:
                 prefill = self.model.prefill(*self._left_pad([list(ctx) for ctx in long_]))
-                rows = [(slot, part) for slot, ctx in enumerate(long_) for part in self._pack(groups[ctx], conts)]
-                passes = self._answer_batches(rows, conts)
-                for batch in passes:  # every choice of the chunk, packed per context, in few answer passes
-                    index = [slot for slot, _ in batch]
-                    reuse = len(passes) > 1 or index != list(range(len(long_)))
-                    state = prefill.select(torch.tensor(index, device=self.device)) if reuse else prefill
-                    scores = score_continuations(self.model, state, [[conts[i] for i in part] for _, part in batch])
-                    for i, score in zip((i for _, part in batch for i in part), scores):
+                for part in self._answer_passes([groups[ctx] for ctx in long_], conts, prefill.mask.shape[1]):
+                    scores = score_continuations(self.model, prefill, [[conts[i] for i in ids] for ids in part])
+                    for i, score in zip((i for ids in part for i in ids), scores):
                         results[i] = score
             short = [(ctx, i) for ctx in chunk if len(ctx) < 2 for i in groups[ctx]]
             for part in range(0, len(short), self.batch_size):
@@ -185,43 +180,33 @@ class BituneLM(TemplateLM):
         return results
 
     ANSWER_TOKENS = 2048
-    """Most answer positions (rows x longest packed row) scored in one answer pass: bounds the (rows, L, V)
-    logits (400 MB in float32 for a 49k vocabulary)."""
+    """Most positions in one packed answer pass: bounds its (S, V) logits (400 MB in float32 for a 49k
+    vocabulary)."""
 
-    PACK_TOKENS = 512
-    """Most positions in one packed row (a context's continuations beyond this go to further rows)."""
+    ANSWER_KEYS = 1024
+    """Most cached prompt keys one packed answer pass attends over (its mask is dense: every position scores every
+    packed prompt's keys); a context with more gets a pass of its own."""
 
-    def _pack(self, request_ids: list[int], conts: list[list[int]]) -> list[list[int]]:
-        """Split one context's requests into packed rows of at most ``PACK_TOKENS`` positions (x_P plus each
-        continuation without its last token); a longer continuation gets a row of its own."""
-        parts: list[list[int]] = []
-        size = 0
-        for i in request_ids:
-            n = len(conts[i]) - 1
-            if parts and size + n <= self.PACK_TOKENS:
-                parts[-1].append(i)
-                size += n
-            else:
-                parts.append([i])
-                size = 1 + n
-        return parts
-
-    def _answer_batches(self, rows: list[tuple[int, list[int]]],
-                        conts: list[list[int]]) -> list[list[tuple[int, list[int]]]]:
-        """Split a chunk's packed rows (context slot, requests) into answer passes of at most ``ANSWER_TOKENS``
-        positions. All choices of ``batch_size`` contexts usually fit in one pass (e.g. 8 ARC questions x 4
-        choices: 8 rows of ~15 positions): one forward per chunk."""
-        batches: list[list[tuple[int, list[int]]]] = []
-        longest = 0
-        for row in rows:
-            n = 1 + sum(len(conts[i]) - 1 for i in row[1])
-            if batches and max(longest, n) * (len(batches[-1]) + 1) <= max(self.ANSWER_TOKENS, n):
-                batches[-1].append(row)
-                longest = max(longest, n)
-            else:
-                batches.append([row])
-                longest = n
-        return batches
+    def _answer_passes(self, requests: list[list[int]], conts: list[list[int]],
+                       cached: int) -> list[list[list[int]]]:
+        """Split the continuations of a chunk's contexts (``requests[slot]``, request ids) into packed answer passes
+        within ``ANSWER_TOKENS`` positions and ``ANSWER_KEYS`` cached keys (``cached`` per context); each pass is
+        a list of request ids per slot. All choices of ``batch_size`` contexts of ordinary length fit one pass
+        (e.g. 8 ARC questions x 4 choices: ~110 positions on 8 x ~60 keys): one forward per chunk."""
+        passes: list[list[list[int]]] = []
+        tokens = keys = 0
+        for slot, ids in enumerate(requests):
+            for i in ids:
+                new_slot = not passes or not passes[-1][slot]
+                n = len(conts[i]) - 1 + new_slot  # its positions (x_P comes with the first one of a context)
+                if not passes or tokens + n > self.ANSWER_TOKENS or (new_slot and keys + cached > self.ANSWER_KEYS):
+                    passes.append([[] for _ in requests])
+                    tokens, keys, n = 0, 0, len(conts[i])
+                    new_slot = True
+                passes[-1][slot].append(i)
+                tokens += n
+                keys += cached if new_slot else 0
+        return passes
 
     def _score_causal(self, results, items, conts) -> None:
         """One-token contexts: the prefill is empty, so the answer pass is a plain causal forward (causal weights)."""
