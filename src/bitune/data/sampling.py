@@ -8,9 +8,13 @@ lengths) and its randomness comes only from ``seed`` and the epoch, so the order
 after a resume.
 
 Per epoch: shuffle all examples with ``Generator(seed + epoch)``; cut the shuffled list into mega-batches of
-``megabatch x batch_size`` examples; sort each mega-batch by the cost ``2 P + A`` and, within runs of
-``refine x batch_size`` examples, by the prompt length ``P``; cut it into batches and shuffle the order of
-those batches (so length does not drift monotonically through training).
+``megabatch x batch_size`` examples; arrange each mega-batch into batches twice, sorted by the cost ``2 P + A`` or
+by the answer length ``A`` (instruction data: answers spread far wider than prompts), in both cases then by ``P``
+within runs of ``refine`` batches, and improve each arrangement by re-splitting pairs of nearby batches
+(``_resplit``); keep the cheaper arrangement; shuffle the order of all batches (so length does not drift
+monotonically through training). Padding at batch 8 (the share of computed positions, prompt counted per pass;
+mean of 5 seeds): ARC-Easy train 2.7%, ARC-Challenge 3.4%, CommonsenseQA 1.0%, alpaca_demo 9.1% (random
+batches: 38%, 57% for the last).
 """
 
 from __future__ import annotations
@@ -38,21 +42,57 @@ def padding_share(lengths: Sequence[tuple[int, int]], order: Sequence[int], batc
 
 
 def grouped_order(lengths: Sequence[tuple[int, int]], batch_size: int, generator: torch.Generator,
-                  megabatch: int = 50, refine: int = 4) -> list[int]:
+                  megabatch: int = 100, refine: int = 4) -> list[int]:
     """The example order of one epoch (see the module docstring)."""
     perm = torch.randperm(len(lengths), generator=generator).tolist()
     size = megabatch * batch_size
     batches: list[list[int]] = []
     for start in range(0, len(perm), size):
-        block = sorted(perm[start:start + size], key=lambda j: 2 * lengths[j][0] + lengths[j][1])
-        step = refine * batch_size
-        block = [j for s in range(0, len(block), step) for j in sorted(block[s:s + step], key=lambda j: lengths[j][0])]
-        batches += [block[i:i + batch_size] for i in range(0, len(block), batch_size)]
+        block = perm[start:start + size]
+        arrangements = [_resplit(_sorted_batches(block, lengths, batch_size, key, refine), lengths, batch_size)
+                        for key in (lambda p, a: 2 * p + a, lambda p, a: a)]
+        batches += min(arrangements, key=lambda bs: sum(_cost(b, lengths) for b in bs))
     # Full batches in random order; a short final batch (if any) stays last, as a plain sampler would put it.
     full = [b for b in batches if len(b) == batch_size]
     short = [b for b in batches if len(b) < batch_size]
     shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
     return [j for b in shuffled + short for j in b]
+
+
+def _cost(batch: list[int], lengths: Sequence[tuple[int, int]]) -> int:
+    """Positions a batch computes with two prompt passes: B x (2 max P + max A)."""
+    return len(batch) * (2 * max(lengths[j][0] for j in batch) + max(lengths[j][1] for j in batch))
+
+
+def _sorted_batches(block: list[int], lengths, batch_size: int, key, refine: int) -> list[list[int]]:
+    """``block`` sorted by ``key(P, A)``, then by P within runs of ``refine`` batches, cut into batches."""
+    block = sorted(block, key=lambda j: key(*lengths[j]))
+    step = refine * batch_size
+    block = [j for s in range(0, len(block), step) for j in sorted(block[s:s + step], key=lambda j: lengths[j][0])]
+    return [block[i:i + batch_size] for i in range(0, len(block), batch_size)]
+
+
+def _resplit(batches: list[list[int]], lengths, batch_size: int, window: int = 4, rounds: int = 5) -> list[list[int]]:
+    """Local improvement: for every pair of full batches at most ``window`` apart, pool their examples and split
+    them again (sorted by P, by A or by 2 P + A, cut in the middle) where that computes fewer positions; repeated
+    until nothing improves (at most ``rounds`` times)."""
+    keys = (lambda j: lengths[j][0], lambda j: lengths[j][1], lambda j: 2 * lengths[j][0] + lengths[j][1])
+    for _ in range(rounds):
+        improved = False
+        for d in range(1, window + 1):
+            for i in range(len(batches) - d):
+                a, b = batches[i], batches[i + d]
+                if len(a) < batch_size or len(b) < batch_size:
+                    continue
+                best = _cost(a, lengths) + _cost(b, lengths)
+                for key in keys:
+                    pool = sorted(a + b, key=key)
+                    cost = _cost(pool[:batch_size], lengths) + _cost(pool[batch_size:], lengths)
+                    if cost < best:
+                        batches[i], batches[i + d], best, improved = pool[:batch_size], pool[batch_size:], cost, True
+        if not improved:
+            break
+    return batches
 
 
 class _EpochSeeded(Sampler[int]):
@@ -86,7 +126,7 @@ class LengthGroupedSampler(_EpochSeeded):
         megabatch: examples sorted together, in batches (larger: less padding, less randomness).
     """
 
-    def __init__(self, lengths: Sequence[tuple[int, int]], batch_size: int, seed: int, megabatch: int = 50):
+    def __init__(self, lengths: Sequence[tuple[int, int]], batch_size: int, seed: int, megabatch: int = 100):
         super().__init__(seed)
         self.lengths = [(int(p), int(a)) for p, a in lengths]
         self.batch_size = batch_size
