@@ -67,6 +67,21 @@ def test_packed_scores_equal_separate_answer_passes(arch, attn, variant):
     assert [a for a, _ in skip] == pytest.approx([a for a, _ in kept], abs=1e-5)
 
 
+@pytest.mark.parametrize("method", ["dora", "ia3", "full"])
+def test_packed_scores_with_other_weight_methods(method):
+    """The packed pass runs the causal weights as the plain answer pass does, whatever holds them."""
+    base = tiny_model("llama")
+    model = BituneModel.wrap(base, BituneConfig(variant="bitune", method=method))
+    model = perturb_adapters(model, scale=0.3).eval()
+    ids, mask, choices = prompts_and_choices(seed=1)
+    with torch.no_grad():
+        prefill = model.prefill(ids, mask)
+        expected = [alone(model, prefill, r, c) for r, conts in enumerate(choices) for c in conts]
+        packed = score_continuations(model, prefill, choices)
+    assert [a for a, _ in packed] == pytest.approx([a for a, _ in expected], abs=1e-5)
+    assert [g for _, g in packed] == [g for _, g in expected]
+
+
 def test_greedy_flag_follows_the_argmax_continuation():
     model = model_for("llama", "sdpa", "bitune")
     ids, mask, _ = prompts_and_choices()
