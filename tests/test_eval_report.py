@@ -103,6 +103,20 @@ def test_paired_differences_and_mcnemar_per_seed():
     assert ("pretrained", "lora") not in rows and ("lora", "lora") not in rows  # shown once, as lora vs pretrained
 
 
+def test_an_ablation_is_also_compared_with_bitune():
+    from bitune.eval.report import build_markdown
+
+    records = [paired_record("lora", 42, [1] * 20 + [0] * 80), paired_record("bitune", 42, [1] * 30 + [0] * 70),
+               paired_record("shared_weights", 42, [1] * 26 + [0] * 74)]
+    _, markdown, _ = build_markdown(records)
+    pairs = [tuple(c.strip() for c in line.split("|")[3:5]) for line in markdown.splitlines()
+             if line.startswith("| ARC-C") and " points" not in line and line.count("|") > 8]
+    assert ("shared_weights", "bitune") in pairs and ("shared_weights", "lora") in pairs
+    assert ("lora", "bitune") not in pairs  # only ablations are compared with the method
+    row = next(line for line in markdown.splitlines() if "| shared_weights | bitune |" in line)
+    assert "-4.0 [" in row
+
+
 def test_report_shows_n_limit_and_intervals_and_writes_next_to_the_runs(tmp_path):
     runs = tmp_path / "study"
     write_runs(runs, [paired_record("lora", 42, [1, 0] * 10, limit=20),

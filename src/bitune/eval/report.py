@@ -12,6 +12,7 @@ statistics.
    question, the method's correctness averaged over seeds minus the baseline's (over the same seeds when the
    baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
    the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
+   The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``.
 
 Sections 2 and 3 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
 number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
@@ -31,6 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import write_text_atomic
 from . import RESULT_FILE, SCHEMA
@@ -237,9 +239,11 @@ def accuracy_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
     return rows
 
 
-def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str]) -> list[list[str]]:
+def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
+                    methods: set[str] | None = None) -> list[list[str]]:
     """Rows: task, n, method, baseline, mean paired difference with 95% interval (points), seeds pooled,
-    per seed: the difference, the discordant counts (only method right / only baseline right) and McNemar p."""
+    per seed: the difference, the discordant counts (only method right / only baseline right) and McNemar p.
+    ``methods``: compare only these against the baselines (default: every other method)."""
     rows = []
     for task, tr in tasks.items():
         for base in baselines:
@@ -247,7 +251,7 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str]) -> list[li
                 continue
             ref = tr.methods[base]
             for label, runs in tr.methods.items():
-                if label == base:
+                if label == base or (methods is not None and label not in methods):
                     continue
                 if ref.seeds == [None]:  # an untrained baseline: every seed against its one run
                     pairs = [(s, runs.of_seeds([s])[0], ref.correct[0]) for s in runs.seeds]
@@ -269,6 +273,9 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str]) -> list[li
                              "; ".join(per_seed), "; ".join(tests)])
     return rows
 
+
+ABLATIONS = {v for v in VARIANTS if v not in ("bitune", "lora", "pretrained")}
+"""The paper's ablations (section 3.3), each compared with ``bitune`` as well as with the baselines."""
 
 ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)"]
 DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "Δ per seed",
@@ -413,6 +420,8 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                   f"({BOOTSTRAP} resamples, fixed seed); each seed's accuracy after it.\n",
                   markdown_table(ACCURACY_HEADER, accuracy_rows(tasks), left=5)]
         rows = difference_rows(tasks, list(baselines))
+        if "bitune" not in baselines:  # each ablation also against the method it ablates
+            rows += difference_rows(tasks, ["bitune"], methods=ABLATIONS)
         if rows:
             parts += ["\n## Paired differences (percentage points)\n",
                       "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
