@@ -99,6 +99,7 @@ def test_paired_differences_and_mcnemar_per_seed():
     assert row[6] == "42: +10.0; 43: +0.0"
     # seed 42: bitune right only on 20..29 (10), lora never alone; seed 43: 10 each way (0..9 vs 30..39)
     assert row[7] == f"10/0, p={2 / 2 ** 10:.3g}; 10/10, p=1"
+    assert row[8] == "0.5"  # t-test over the 2 seeds: differences 10 and 0, t = 1 with 1 df: p = 1 - 2 atan(1) / pi
     assert rows[("lora", "pretrained")][6] == "42: -5.0; 43: +5.0"  # every seed against the one untrained run
     assert ("pretrained", "lora") not in rows and ("lora", "lora") not in rows  # shown once, as lora vs pretrained
 

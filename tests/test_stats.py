@@ -60,3 +60,13 @@ def test_bootstrap_is_reproducible_and_matches_the_binomial_width():
     half = 1.96 * math.sqrt(0.3 * 0.7 / 1000)  # the normal interval: +-0.0284
     assert (a.high - a.low) / 2 == pytest.approx(half, rel=0.08)
     assert bootstrap_mean(np.ones(5)).low == 1.0
+
+
+def test_seed_t_test_on_hand_computed_values():
+    from bitune.eval.stats import seed_t_test
+
+    # differences 1, 2, 3: mean 2, sd 1, t = 2 sqrt(3) with 2 df; P(|T| > t) = 1 - t / sqrt(2 + t^2) = 1 - sqrt(12/14)
+    assert seed_t_test([1.0, 2.0, 3.0]) == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)
+    assert seed_t_test([-1.0, -2.0, -3.0]) == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)  # two-sided
+    assert seed_t_test([0.5]) is None  # one seed: no spread to test against
+    assert seed_t_test([0.02, 0.02]) is None  # no spread between seeds

@@ -12,7 +12,8 @@ statistics.
    question, the method's correctness averaged over seeds minus the baseline's (over the same seeds when the
    baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
    the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
-   The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``.
+   With 2 or more seed pairs, a t-test of the per-seed differences (the seeds as the unit: training
+   randomness). The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``.
 
 Sections 2 and 3 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
 number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
@@ -36,7 +37,7 @@ from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import write_text_atomic
 from . import RESULT_FILE, SCHEMA
-from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact
+from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact, seed_t_test
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
@@ -268,9 +269,10 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
                     only_a, only_b, p = mcnemar_exact(a, b)
                     per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
                     tests.append(f"{only_a}/{only_b}, p={p:.3g}")
+                t_p = seed_t_test([a.mean() - b.mean() for _, a, b in pairs])
                 rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), label, base, str(len(pairs)),
                              f"{100 * ci.value:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]",
-                             "; ".join(per_seed), "; ".join(tests)])
+                             "; ".join(per_seed), "; ".join(tests), "-" if t_p is None else f"{t_p:.3g}"])
     return rows
 
 
@@ -279,7 +281,7 @@ ABLATIONS = {v for v in VARIANTS if v not in ("bitune", "lora", "pretrained")}
 
 ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)"]
 DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "Δ per seed",
-                     "only method / only baseline right, McNemar p (per seed)"]
+                     "only method / only baseline right, McNemar p (per seed)", "t-test over seeds, p"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
@@ -427,7 +429,8 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                       "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
                       "same seeds; an untrained baseline has one run), mean with a 95% bootstrap interval over "
                       "questions. Per seed: the difference, the questions only the method / only the baseline "
-                      "gets right, and the exact McNemar p-value.\n",
+                      "gets right, and the exact McNemar p-value. Over seeds (2 or more): a t-test of the per-seed "
+                      "differences, the seeds as the unit (training randomness, on these questions).\n",
                       markdown_table(DIFFERENCE_HEADER, rows, left=5)]
     timing = timing_rows(records)
     if any(r[3] != "-" or r[4] != "-" for r in timing):

@@ -3,8 +3,9 @@
 Every method is scored on the same questions, so comparisons are **paired**: the per-question difference of two
 methods (each averaged over its seeds) is resampled over questions, which removes the between-question variance
 that an unpaired comparison of two accuracies carries. The intervals describe the uncertainty from the sample of
-questions given these trained models; the spread over training seeds is reported next to them (per-seed values),
-not folded in. Resampling uses a fixed seed, so a report is reproducible to the digit.
+questions given these trained models; the spread over training seeds is reported next to them (per-seed values)
+and tested apart (:func:`seed_t_test`: the seeds as the unit), not folded in. Resampling uses a fixed seed, so a
+report is reproducible to the digit.
 """
 
 from __future__ import annotations
@@ -79,4 +80,18 @@ def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> tuple[int, int, float]:
     return only_a, only_b, min(1.0, 2.0 * tail)
 
 
-__all__ = ["Interval", "bootstrap_mean", "mcnemar_exact", "BOOTSTRAP", "LEVEL", "SEED"]
+def seed_t_test(differences: list[float]) -> float | None:
+    """Two-sided p-value of a t-test that the mean of per-seed differences is zero (scipy's ``ttest_1samp``).
+
+    With the seeds as the unit, this covers the variation of training (seed s of one method against seed s of
+    the other: a paired t-test) on these questions. None with fewer than 2 seeds or no spread between them.
+    """
+    from scipy.stats import ttest_1samp
+
+    values = np.asarray(differences, dtype=np.float64)
+    if values.shape[0] < 2 or np.ptp(values) == 0:
+        return None
+    return float(ttest_1samp(values, 0.0).pvalue)
+
+
+__all__ = ["Interval", "bootstrap_mean", "mcnemar_exact", "seed_t_test", "BOOTSTRAP", "LEVEL", "SEED"]
