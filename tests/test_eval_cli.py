@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("lm_eval")
 
@@ -72,6 +73,7 @@ def test_eval_cli_end_to_end(checkpoint, monkeypatch):
     assert record["config"]["train_seed"] == 43 and record["config"]["limit"] == 3
     assert record["config"]["bitune"]["variant"] == "bitune"
     assert record["timing"]["eval_s"] > 0
+    assert record["timing"]["torch_threads"] == torch.get_num_threads()  # wall times are read with it
 
 
 def test_eval_cli_rejects_unknown_task(checkpoint, capsys):

@@ -203,7 +203,8 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "prompt_passes": model.execution(answer=False),
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
         },
-        "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3)},
+        "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3),
+                   "torch_threads": torch.get_num_threads()},
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "samples": samples,
     }

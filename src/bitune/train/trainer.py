@@ -237,7 +237,8 @@ class BituneTrainer:
         examples = steps * s.batch_size * s.grad_accum * acc.num_processes
         summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(examples / runtime, 3),
                    "train_steps_per_second": round(steps / runtime, 3),
-                   "train_loss": self.state.loss_sum / max(self.state.global_step, 1), "epoch": self.state.epoch}
+                   "train_loss": self.state.loss_sum / max(self.state.global_step, 1), "epoch": self.state.epoch,
+                   "torch_threads": torch.get_num_threads()}
         self._log(summary)
         return summary
 
