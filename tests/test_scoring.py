@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, MistralConfig
 
 from bitune import BituneConfig, BituneModel
 from bitune.model import token_logprobs
+from bitune.passes import Prefill
 from bitune.scoring import pack, score_continuations
 from conftest import _COMMON, VOCAB, perturb_adapters, tiny_model
 
@@ -65,6 +66,28 @@ def test_packed_scores_equal_separate_answer_passes(arch, attn, variant):
     assert [a for a, _ in again] == pytest.approx([a for a, _ in packed], abs=1e-6)
     kept = expected[:len(choices[0])] + expected[len(choices[0]) + len(choices[1]):][:len(choices[2])]
     assert [a for a, _ in skip] == pytest.approx([a for a, _ in kept], abs=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mistral_window4"])
+def test_prefills_of_different_lengths_concatenated_score_the_same(arch):
+    """Two chunks read apart (prompts of 9/6 and of 3/2 tokens: longer and shorter than the window of 4), joined
+    by Prefill.concat (left padding and caches padded alike) and scored in one packed pass."""
+    model = model_for(arch, "sdpa", "bitune")
+    ids, mask, choices = prompts_and_choices()
+    first, second = (0, 2), (1, 3)
+    with torch.no_grad():
+        parts = []
+        for rows in (first, second):
+            index = torch.tensor(rows)
+            keep = int(mask[index].sum(1).max())  # trim to the chunk's own longest prompt
+            parts.append(model.prefill(ids[index][:, -keep:], mask[index][:, -keep:]))
+        expected = [score for part, rows in zip(parts, (first, second))
+                    for score in score_continuations(model, part, [choices[r] for r in rows])]
+        joined = Prefill.concat(parts)
+        got = score_continuations(model, joined, [choices[r] for r in first + second])
+    assert joined.mask.shape == (4, 8)  # the prompt passes read all but the last token
+    assert [a for a, _ in got] == pytest.approx([a for a, _ in expected], abs=1e-5)
+    assert [g for _, g in got] == [g for _, g in expected]
 
 
 @pytest.mark.parametrize("method", ["dora", "ia3", "full"])

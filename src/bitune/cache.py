@@ -104,6 +104,19 @@ def flatten_rows(cache, rows: torch.Tensor):
     return out
 
 
+def concat_rows(caches: list):
+    """One cache holding the rows of ``caches`` one after another (batch dimension); each layer's keys/values are
+    left-padded with zeros to the longest among them (for left-padded prompts whose masks are padded alike)."""
+    out = copy.copy(caches[0])
+    out.layers = [copy.copy(layer) for layer in caches[0].layers]
+    for i, layer in enumerate(out.layers):
+        for name in ("keys", "values"):
+            parts = [getattr(c.layers[i], name) for c in caches]  # (B_j, h, T_j, d)
+            T = max(x.shape[2] for x in parts)
+            setattr(layer, name, torch.cat([torch.nn.functional.pad(x, (0, 0, T - x.shape[2], 0)) for x in parts]))
+    return out
+
+
 def extendable_copy(cache, config, rows: torch.Tensor, stop_after_layer: int | None):
     """A prompt cache holding rows ``rows`` of ``cache`` (or an empty one), which a prompt pass can extend."""
     if cache is None:

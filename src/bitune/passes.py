@@ -38,6 +38,17 @@ class Prefill:
         """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
         return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
 
+    @staticmethod
+    def concat(prefills: list["Prefill"]) -> "Prefill":
+        """The rows of several prefills as one (left padding extended to the longest; caches padded alike)."""
+        T = max(p.ids.shape[1] for p in prefills)
+
+        def left(x: torch.Tensor) -> torch.Tensor:  # (B, T_j) -> (B, T), zeros in front
+            return torch.nn.functional.pad(x, (T - x.shape[1], 0))
+
+        return Prefill(kv.concat_rows([p.cache for p in prefills]), torch.cat([left(p.ids) for p in prefills]),
+                       torch.cat([left(p.mask) for p in prefills]), torch.cat([p.last_token for p in prefills]))
+
 
 def read_pass(model, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
               history: Prefill | None = None):

@@ -5,10 +5,10 @@ token lists, which is exactly where a Bitune model differs from a plain causal L
 (read by the prompt passes and mixed), the continuation is the answer (scored by the causal answer pass).
 
 Scoring: requests are grouped by context; each distinct context is prefilled ONCE (batched over contexts,
-left-padded) and all continuations of a chunk of contexts are packed into one sequence of the answer pass, each
-context's last token once, then its choices (:mod:`bitune.scoring`): every choice of ``batch_size`` contexts in
-one forward, no padding in the answer pass. For the baselines (``pretrained``, ``lora``) this equals lm-eval's
-``hf`` model on the same weights.
+left-padded) and the continuations of one or several such chunks are packed into one sequence of the answer
+pass, each context's last token once, then its choices (:mod:`bitune.scoring`): every choice of up to
+``ANSWER_KEYS`` cached positions of contexts in one forward, no padding in the answer pass. For the baselines
+(``pretrained``, ``lora``) this equals lm-eval's ``hf`` model on the same weights.
 
 Edge cases, defined so that results stay sound:
 
@@ -41,6 +41,7 @@ from ..checkpoint import load_bitune
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..model import BituneModel, token_logprobs
+from ..passes import Prefill
 from ..scoring import score_continuations
 
 Request = tuple[tuple[str, str], list[int], list[int]]
@@ -163,19 +164,21 @@ class BituneLM(TemplateLM):
         contexts = sorted(groups, key=len, reverse=True)  # similar lengths share a batch: less padding
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="bitune loglikelihood")
+        pending: list[tuple[Prefill, list[tuple[int, ...]]]] = []  # prefills whose choices are not scored yet
         for start in range(0, len(contexts), self.batch_size):
             chunk = contexts[start:start + self.batch_size]
             long_ = [ctx for ctx in chunk if len(ctx) >= 2]
             if long_:
                 prefill = self.model.prefill(*self._left_pad([list(ctx) for ctx in long_]))
-                for part in self._answer_passes([groups[ctx] for ctx in long_], conts, prefill.mask.shape[1]):
-                    scores = score_continuations(self.model, prefill, [[conts[i] for i in ids] for ids in part])
-                    for i, score in zip((i for ids in part for i in ids), scores):
-                        results[i] = score
+                if pending and self._keys(pending + [(prefill, long_)]) > self.ANSWER_KEYS:
+                    self._score_pending(pending, groups, conts, results)
+                pending.append((prefill, long_))
             short = [(ctx, i) for ctx in chunk if len(ctx) < 2 for i in groups[ctx]]
             for part in range(0, len(short), self.batch_size):
                 self._score_causal(results, short[part:part + self.batch_size], conts)
             pbar.update(sum(len(groups[ctx]) for ctx in chunk))
+        if pending:
+            self._score_pending(pending, groups, conts, results)
         pbar.close()
         return results
 
@@ -183,9 +186,25 @@ class BituneLM(TemplateLM):
     """Most positions in one packed answer pass: bounds its (S, V) logits (400 MB in float32 for a 49k
     vocabulary)."""
 
-    ANSWER_KEYS = 1024
-    """Most cached prompt keys one packed answer pass attends over (its mask is dense: every position scores every
-    packed prompt's keys); a context with more gets a pass of its own."""
+    ANSWER_KEYS = 4096
+    """Most cached prompt positions (contexts x padded length) one packed answer pass reads: the prefills of
+    several chunks are scored together up to this (a larger answer pass runs more efficiently); bounds its dense
+    (S, keys + S) mask. A chunk with more gets passes of its own."""
+
+    @staticmethod
+    def _keys(pending) -> int:
+        """Cached positions of pending prefills once concatenated (left padding to the longest)."""
+        return sum(p.mask.shape[0] for p, _ in pending) * max(p.mask.shape[1] for p, _ in pending)
+
+    def _score_pending(self, pending, groups, conts, results) -> None:
+        """Score every choice of the pending prefills' contexts in few packed answer passes; empties ``pending``."""
+        prefill = Prefill.concat([p for p, _ in pending]) if len(pending) > 1 else pending[0][0]
+        requests = [groups[ctx] for _, ctxs in pending for ctx in ctxs]
+        for part in self._answer_passes(requests, conts, prefill.mask.shape[1]):
+            scores = score_continuations(self.model, prefill, [[conts[i] for i in ids] for ids in part])
+            for i, score in zip((i for ids in part for i in ids), scores):
+                results[i] = score
+        pending.clear()
 
     def _answer_passes(self, requests: list[list[int]], conts: list[list[int]],
                        cached: int) -> list[list[list[int]]]:
