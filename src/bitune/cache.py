@@ -91,6 +91,13 @@ def select_rows(cache, index: torch.Tensor):
     return out
 
 
+def keys_per_window(cache) -> dict[int | None, int]:
+    """Keys per row held by a filled cache's layers, by their sliding window (None: full attention); a
+    sliding-window layer keeps only its last ``window - 1``."""
+    return {(layer.sliding_window if getattr(layer, "is_sliding", False) else None): layer.keys.shape[-2]
+            for layer in cache.layers}
+
+
 def flatten_rows(cache, rows: torch.Tensor):
     """A new one-row cache holding rows ``rows`` of ``cache`` one after another along the sequence: layer keys
     (B, h, T, d) become (1, h, len(rows) * T, d). For a packed answer pass whose mask keeps each row's tokens

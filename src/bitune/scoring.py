@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 
 from . import cache as kv
 from .fused import attention_implementation, inner_attention
-from .masks import check_implementation, position_ids
+from .masks import check_implementation, per_layer_type, position_ids
 from .passes import Prefill
 
 NAME = "bitune_packed"
@@ -86,13 +86,12 @@ def pack(last_tokens: list[int], continuations: list[list[list[int]]], device=No
 
 
 def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.dtype, attn_implementation: str,
-                cached: dict[str | None, int]) -> torch.Tensor | dict[str, torch.Tensor]:
+                cached: dict[int | None, int]) -> torch.Tensor | dict[str, torch.Tensor]:
     """The (1, 1, S, R*K + S) mask of a packed answer pass on R flattened prompt caches of K keys each.
 
     Args:
         prompt_mask: (R, T) mask of the cached prompt tokens (left padding), one row per packed prompt.
-        cached: keys per row held by each layer type's cache (``None`` for models with one type); sliding-window
-            layers keep only their last ``window - 1``.
+        cached: keys per row by sliding window (:func:`bitune.cache.keys_per_window`).
     """
     check_implementation(attn_implementation)
     R, T = prompt_mask.shape
@@ -105,8 +104,8 @@ def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.
     q_pos = start[packed.row] + packed.offset  # (S,)
     mine = packed.row[:, None] == torch.arange(R, device=prompt_mask.device)[None, :]  # (S, R)
 
-    def build(layer_type: str | None, window: int | None) -> torch.Tensor:
-        K = cached[layer_type]
+    def build(window: int | None) -> torch.Tensor:
+        K = cached[window]
         real = prompt_mask[:, T - K:].bool()  # (R, K)
         cache_ok = mine[:, :, None] & real[None]  # (S, R, K)
         packed_ok = own
@@ -119,19 +118,7 @@ def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.
             return ok
         return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
 
-    layer_types = list(getattr(config, "layer_types", None) or ())
-    if "sliding_attention" in layer_types:
-        return {"full_attention": build("full_attention", None),
-                "sliding_attention": build("sliding_attention", config.sliding_window)}
-    return build(None, getattr(config, "sliding_window", None) if not layer_types else None)
-
-
-def cached_keys(cache, config) -> dict[str | None, int]:
-    """Keys per row held by each layer type of a filled cache (sliding-window layers may hold fewer)."""
-    layer_types = list(getattr(config, "layer_types", None) or ())
-    if "sliding_attention" not in layer_types:
-        return {None: cache.layers[0].keys.shape[-2]}
-    return {t: cache.layers[layer_types.index(t)].keys.shape[-2] for t in set(layer_types)}
+    return per_layer_type(build, config)
 
 
 def score_continuations(model, prefill: Prefill, continuations: list[list[list[int]]]) -> list[tuple[float, bool]]:
@@ -157,7 +144,7 @@ def score_continuations(model, prefill: Prefill, continuations: list[list[list[i
     cache = kv.flatten_rows(prefill.cache, rows)
     base = model.weights.base
     attn = packed_mask(prompt_mask, packed, model.text_config, next(base.parameters()).dtype,
-                       base.config._attn_implementation, cached_keys(prefill.cache, model.text_config))
+                       base.config._attn_implementation, kv.keys_per_window(prefill.cache))
     positions = prompt_mask.sum(1)[packed.row] + packed.offset  # (S,)
     bounds = torch.cumsum(torch.bincount(packed.row, minlength=len(used)), 0).tolist()  # each prompt's end
     with packed_attention_in(base, list(zip([0] + bounds[:-1], bounds))):
@@ -215,4 +202,4 @@ def packed_attention_in(model, spans: list[tuple[int, int]]):
         _SPANS.reset(token)
 
 
-__all__ = ["Packed", "pack", "packed_mask", "cached_keys", "score_continuations", "packed_attention"]
+__all__ = ["Packed", "pack", "packed_mask", "score_continuations", "packed_attention"]
