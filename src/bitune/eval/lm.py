@@ -208,10 +208,10 @@ class BituneLM(TemplateLM):
 
     def _answer_passes(self, requests: list[list[int]], conts: list[list[int]],
                        cached: int) -> list[list[list[int]]]:
-        """Split the continuations of a chunk's contexts (``requests[slot]``, request ids) into packed answer passes
-        within ``ANSWER_TOKENS`` positions and ``ANSWER_KEYS`` cached keys (``cached`` per context); each pass is
-        a list of request ids per slot. All choices of ``batch_size`` contexts of ordinary length fit one pass
-        (e.g. 8 ARC questions x 4 choices: ~110 positions on 8 x ~60 keys): one forward per chunk."""
+        """Split the continuations of the pending contexts (``requests[slot]``, request ids) into packed answer
+        passes within ``ANSWER_TOKENS`` positions and ``ANSWER_KEYS`` cached keys (``cached`` per context); each
+        pass is a list of request ids per slot. Contexts of ordinary length fit one pass (e.g. 64 ARC questions x
+        4 choices: ~900 positions on 64 x ~60 keys)."""
         passes: list[list[list[int]]] = []
         tokens = keys = 0
         for slot, ids in enumerate(requests):
