@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The evidence study: SmolLM2-135M, pretrained vs LoRA r8 vs Bitune (LoRA r8), 3 seeds, ARC-Challenge and
 # CommonsenseQA, each evaluated on its full evaluation split (ARC-C test: 1172 questions, CSQA validation: 1221),
-# then the shared_weights ablation (one weight set for both prompt passes) on ARC-C, then the paired report and
-# figure, embedded in results/smollm2-arc-csqa/README.md.
+# then the shared_weights ablation (one weight set for both prompt passes) on ARC-C, then (part 2) LoRA r16 and
+# LoRA r8 with Bitune's compute on both tasks, then the paired report and figure, embedded in
+# results/smollm2-arc-csqa/README.md; then the base-model study on Gemma 3 270M (results/gemma3-csqa; skip it
+# with BASE_MODEL=0).
 #
 # Resumable: a run whose eval.json exists is skipped, so running this again after an interruption (also in a
 # fresh clone holding only the committed small files) continues where it stopped.
@@ -27,8 +29,29 @@ for seed in $SEEDS; do  # the ablation: one weight set for both prompt passes
   "$BITUNE" sweep --config "$CONFIG_DIR/arc_challenge.yaml" --methods shared_weights \
     --seeds "$seed" --tasks arc_challenge --output-dir "$OUT/arc_challenge"
 done
-if [ -f "$OUT/README.md" ]; then
-  "$BITUNE" report "$OUT" --output "$OUT" --embed "$OUT/README.md"
-else
-  "$BITUNE" report "$OUT" --output "$OUT"
+# Part 2, the baselines a skeptic asks for: lora16 (LoRA r16, as many trainable parameters as Bitune r8) and
+# lora_compute (LoRA r8 given Bitune's training compute: 1.84x the steps, see configs/study/equal_compute/).
+for seed in $SEEDS; do
+  for task in arc_challenge csqa; do
+    "$BITUNE" sweep --config "$CONFIG_DIR/$task.yaml" \
+      --methods "lora16,configs/study/equal_compute/$task/lora_compute.yaml" --seeds "$seed" \
+      --tasks "$task" --output-dir "$OUT/$task"
+  done
+done
+report() {
+  if [ -f "$1/README.md" ]; then
+    "$BITUNE" report "$1" --output "$1" --embed "$1/README.md"
+  else
+    "$BITUNE" report "$1" --output "$1"
+  fi
+}
+report "$OUT"
+# A base model: Gemma 3 270M (pretrained, not instruction-tuned) on CSQA, pretrained / LoRA r8 / Bitune r8.
+if [ "${BASE_MODEL:-1}" = 1 ]; then
+  GEMMA_OUT=${GEMMA_OUT:-results/gemma3-csqa}
+  for seed in $SEEDS; do
+    "$BITUNE" sweep --config configs/study/gemma3/csqa.yaml --methods pretrained,lora,bitune --seeds "$seed" \
+      --tasks csqa --output-dir "$GEMMA_OUT/csqa"
+  done
+  report "$GEMMA_OUT"
 fi
