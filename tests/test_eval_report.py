@@ -96,11 +96,20 @@ def test_paired_differences_and_mcnemar_per_seed():
     row = rows[("bitune", "lora")]
     assert row[1] == str(n) and row[4] == "2"
     assert row[5].startswith("+5.0 [")  # (30 + 30) / 2 - (20 + 30) / 2 = +5 points, pooled over seeds
-    assert row[6] == "42: +10.0; 43: +0.0"
+    two_level = row[6]  # seed pairs then questions: wider than the question-level interval (seeds differ by 10)
+    assert two_level.startswith("+5.0 [")
+    width = [float(x) for x in row[5][row[5].index("[") + 1:-1].split(", ")]
+    width2 = [float(x) for x in two_level[two_level.index("[") + 1:-1].split(", ")]
+    assert width2[1] - width2[0] > width[1] - width[0]
+    # per question, seed-averaged: +0.5 on 20..29 (seed 42) and 30..39 (seed 43), -0.5 on 0..9 (seed 43): the
+    # sign-flip p-value is that of 20 positive against 10 negative (an exact sign test: 2 P[Bin(30, 1/2) <= 10])
+    exact = 2 * sum(math.comb(30, k) for k in range(11)) / 2 ** 30
+    assert float(row[7]) == pytest.approx(exact, abs=0.01)
+    assert row[8] == "42: +10.0; 43: +0.0"
     # seed 42: bitune right only on 20..29 (10), lora never alone; seed 43: 10 each way (0..9 vs 30..39)
-    assert row[7] == f"10/0, p={2 / 2 ** 10:.3g}; 10/10, p=1"
-    assert row[8] == "0.5"  # t-test over the 2 seeds: differences 10 and 0, t = 1 with 1 df: p = 1 - 2 atan(1) / pi
-    assert rows[("lora", "pretrained")][6] == "42: -5.0; 43: +5.0"  # every seed against the one untrained run
+    assert row[9] == f"10/0, p={2 / 2 ** 10:.3g}; 10/10, p=1"
+    assert row[10] == "0.5"  # t-test over the 2 seeds: differences 10 and 0, t = 1 with 1 df: p = 1 - 2 atan(1) / pi
+    assert rows[("lora", "pretrained")][8] == "42: -5.0; 43: +5.0"  # every seed against the one untrained run
     assert ("pretrained", "lora") not in rows and ("lora", "lora") not in rows  # shown once, as lora vs pretrained
 
 
@@ -111,11 +120,24 @@ def test_an_ablation_is_also_compared_with_bitune():
                paired_record("shared_weights", 42, [1] * 26 + [0] * 74)]
     _, markdown, _ = build_markdown(records)
     pairs = [tuple(c.strip() for c in line.split("|")[3:5]) for line in markdown.splitlines()
-             if line.startswith("| ARC-C") and " points" not in line and line.count("|") > 8]
+             if line.startswith("| ARC-C") and " points" not in line and line.count("|") > 10]
     assert ("shared_weights", "bitune") in pairs and ("shared_weights", "lora") in pairs
     assert ("lora", "bitune") not in pairs  # only ablations are compared with the method
     row = next(line for line in markdown.splitlines() if "| shared_weights | bitune |" in line)
     assert "-4.0 [" in row
+
+
+def test_bitune_is_paired_against_the_fair_baselines():
+    from bitune.eval.report import build_markdown
+
+    records = [paired_record("lora", 42, [1] * 20 + [0] * 80), paired_record("bitune", 42, [1] * 30 + [0] * 70),
+               paired_record("lora16", 42, [1] * 24 + [0] * 76), paired_record("lora_compute", 42, [1] * 33 + [0] * 67)]
+    _, markdown, _ = build_markdown(records)
+    rows = {tuple(c.strip() for c in line.split("|")[3:5]): line for line in markdown.splitlines()
+            if line.startswith("| ARC-C") and line.count("|") > 10}
+    assert "+6.0 [" in rows[("bitune", "lora16")] and "-3.0 [" in rows[("bitune", "lora_compute")]
+    assert ("lora16", "lora") in rows and ("lora_compute", "lora") in rows  # and each against LoRA r8
+    assert ("lora16", "bitune") not in rows  # shown once, as bitune vs the baseline
 
 
 def test_report_shows_n_limit_and_intervals_and_writes_next_to_the_runs(tmp_path):

@@ -70,3 +70,55 @@ def test_seed_t_test_on_hand_computed_values():
     assert seed_t_test([-1.0, -2.0, -3.0]) == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)  # two-sided
     assert seed_t_test([0.5]) is None  # one seed: no spread to test against
     assert seed_t_test([0.02, 0.02]) is None  # no spread between seeds
+
+
+def _pairs(per_seed_gain: list[float], n: int = 1000, seed: int = 3) -> np.ndarray:
+    """(seeds, n) paired 0/1 differences: per seed pair, the method gains ``gain * n`` questions net."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for gain in per_seed_gain:
+        d = np.zeros(n)
+        flips = rng.permutation(n)
+        up = int(round((0.15 + max(gain, 0)) * n))
+        down = int(round((0.15 + max(-gain, 0)) * n))
+        d[flips[:up]] = 1.0
+        d[flips[up:up + down]] = -1.0
+        rows.append(d)
+    return np.stack(rows)
+
+
+def test_two_level_bootstrap_widens_with_seed_variation_and_question_level_does_not():
+    from bitune.eval.stats import two_level_bootstrap
+
+    steady = _pairs([0.03, 0.03, 0.03])  # every seed pair gains 3 points
+    erratic = _pairs([0.09, -0.03, 0.03])  # the same mean gain, varying between seed pairs
+    for d in (steady, erratic):
+        assert two_level_bootstrap(d).value == pytest.approx(0.03, abs=1e-3)
+    # the question-level interval of the seed-averaged differences hardly notices the seed spread ...
+    q_steady, q_erratic = bootstrap_mean(steady.mean(0)), bootstrap_mean(erratic.mean(0))
+    assert (q_erratic.high - q_erratic.low) < 1.3 * (q_steady.high - q_steady.low)
+    # ... the two-level interval does, and it is never narrower than the question-level one
+    t_steady, t_erratic = two_level_bootstrap(steady), two_level_bootstrap(erratic)
+    assert (t_erratic.high - t_erratic.low) > 2 * (t_steady.high - t_steady.low)
+    assert (t_erratic.high - t_erratic.low) > 2 * (q_erratic.high - q_erratic.low)
+    assert t_erratic.low < 0 < q_erratic.low  # the seed spread makes the gain uncertain
+    # one seed pair: the two-level bootstrap is the question-level one
+    one = two_level_bootstrap(steady[:1])
+    ref = bootstrap_mean(steady[0])
+    assert one.value == ref.value and abs((one.high - one.low) - (ref.high - ref.low)) < 0.004
+    with pytest.raises(ValueError, match="seed pairs"):
+        two_level_bootstrap(steady[0])
+
+
+def test_sign_flip_test_matches_the_exact_sign_test():
+    from bitune.eval.stats import sign_flip_test
+
+    # +-1 differences: |mean(s d)| >= |mean(d)| exactly when the binomial count of + signs is as extreme, so the
+    # p-value is the exact two-sided sign test: 8 of 10 positive -> 2 * P[Binomial(10, 1/2) <= 2] = 2 * 56 / 1024
+    d = np.r_[np.ones(8), -np.ones(2), np.zeros(5)]  # ties (0) change no statistic
+    assert sign_flip_test(d) == pytest.approx(2 * 56 / 1024, abs=0.01)
+    assert sign_flip_test(np.r_[np.ones(5), -np.ones(5)]) == 1.0  # no difference at all
+    assert sign_flip_test(np.ones(30)) == pytest.approx(1 / 10_001)  # never 0: one over the draws
+    assert sign_flip_test(d) == sign_flip_test(d)  # fixed seed: reproducible
+    with pytest.raises(ValueError, match="questions"):
+        sign_flip_test(np.ones((2, 3)))

@@ -13,7 +13,9 @@ statistics.
    baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
    the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
    With 2 or more seed pairs, a t-test of the per-seed differences (the seeds as the unit: training
-   randomness). The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``.
+   randomness), a two-level bootstrap interval (seed pairs, then questions) and a sign-flip permutation p-value over
+   questions. The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``,
+   and ``bitune`` with the fair baselines ``lora16`` (its parameter count) and ``lora_compute`` (its compute).
 
 Sections 2 and 3 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
 number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
@@ -37,13 +39,13 @@ from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import write_text_atomic
 from . import RESULT_FILE, SCHEMA
-from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact, seed_t_test
+from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact, seed_t_test, sign_flip_test, two_level_bootstrap
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
                "mmlu": "MMLU", "gsm8k": "GSM8K"}
 AVERAGE = "avg"
-METHOD_ORDER = ("pretrained", "lora", "lora16", "bitune")
+METHOD_ORDER = ("pretrained", "lora", "lora16", "lora_compute", "bitune")
 """Rows in this order first (the paper's), then any other method by name."""
 
 
@@ -264,6 +266,7 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
                     pairs = [(s, runs.of_seeds([s])[0], ref.of_seeds([s])[0]) for s in common]
                     diff = runs.of_seeds(common).mean(axis=0) - ref.of_seeds(common).mean(axis=0)
                 ci = bootstrap_mean(diff)
+                two_level = two_level_bootstrap(np.stack([a - b for _, a, b in pairs]))  # (pairs, n)
                 per_seed, tests = [], []
                 for seed, a, b in pairs:
                     only_a, only_b, p = mcnemar_exact(a, b)
@@ -271,16 +274,25 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
                     tests.append(f"{only_a}/{only_b}, p={p:.3g}")
                 t_p = seed_t_test([a.mean() - b.mean() for _, a, b in pairs])
                 rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), label, base, str(len(pairs)),
-                             f"{100 * ci.value:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]",
-                             "; ".join(per_seed), "; ".join(tests), "-" if t_p is None else f"{t_p:.3g}"])
+                             _points(ci), _points(two_level), f"{sign_flip_test(diff):.3g}", "; ".join(per_seed),
+                             "; ".join(tests), "-" if t_p is None else f"{t_p:.3g}"])
     return rows
+
+
+def _points(ci) -> str:
+    return f"{100 * ci.value:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]"
 
 
 ABLATIONS = {v for v in VARIANTS if v not in ("bitune", "lora", "pretrained")}
 """The paper's ablations (section 3.3), each compared with ``bitune`` as well as with the baselines."""
 
+FAIR_BASELINES = ("lora16", "lora_compute")
+"""Baselines that match Bitune's trainable parameters (LoRA r16) or its training compute (LoRA r8 given more
+steps); ``bitune`` is paired against each as well."""
+
 ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)"]
-DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "Δ per seed",
+DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "two-level 95% CI",
+                     "sign-flip p", "Δ per seed",
                      "only method / only baseline right, McNemar p (per seed)", "t-test over seeds, p"]
 
 
@@ -424,13 +436,18 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
         rows = difference_rows(tasks, list(baselines))
         if "bitune" not in baselines:  # each ablation also against the method it ablates
             rows += difference_rows(tasks, ["bitune"], methods=ABLATIONS)
+        rows += difference_rows(tasks, [b for b in FAIR_BASELINES if b not in baselines], methods={"bitune"})
         if rows:
             parts += ["\n## Paired differences (percentage points)\n",
                       "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
                       "same seeds; an untrained baseline has one run), mean with a 95% bootstrap interval over "
                       "questions. Per seed: the difference, the questions only the method / only the baseline "
                       "gets right, and the exact McNemar p-value. Over seeds (2 or more): a t-test of the per-seed "
-                      "differences, the seeds as the unit (training randomness, on these questions).\n",
+                      "differences, the seeds as the unit (training randomness, on these questions). Two-level: "
+                      "a bootstrap that resamples seed pairs, then questions within them (covers other training "
+                      "seeds as well as other questions; with one seed pair it is the question-level interval). "
+                      "Sign-flip p: a permutation test over questions (the per-question differences' signs "
+                      f"flipped at random, {BOOTSTRAP} draws).\n",
                       markdown_table(DIFFERENCE_HEADER, rows, left=5)]
     timing = timing_rows(records)
     if any(r[3] != "-" or r[4] != "-" for r in timing):

@@ -4,8 +4,10 @@ Every method is scored on the same questions, so comparisons are **paired**: the
 methods (each averaged over its seeds) is resampled over questions, which removes the between-question variance
 that an unpaired comparison of two accuracies carries. The intervals describe the uncertainty from the sample of
 questions given these trained models; the spread over training seeds is reported next to them (per-seed values)
-and tested apart (:func:`seed_t_test`: the seeds as the unit), not folded in. Resampling uses a fixed seed, so a
-report is reproducible to the digit.
+and tested apart (:func:`seed_t_test`: the seeds as the unit). :func:`two_level_bootstrap` folds both in:
+it resamples seed pairs, then questions within them, so its interval also covers other training seeds.
+:func:`sign_flip_test` is a permutation test over questions (the paired differences' signs flipped at random).
+Resampling uses a fixed seed, so a report is reproducible to the digit.
 """
 
 from __future__ import annotations
@@ -80,6 +82,64 @@ def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> tuple[int, int, float]:
     return only_a, only_b, min(1.0, 2.0 * tail)
 
 
+def two_level_bootstrap(differences: np.ndarray, resamples: int = BOOTSTRAP, level: float = LEVEL,
+                        seed: int = SEED) -> Interval:
+    """Mean paired difference with a two-level percentile bootstrap: seed pairs, then questions within them.
+
+    Each resample draws ``S`` seed pairs with replacement, then ``n`` questions with replacement, and averages
+    the drawn pairs' differences on the drawn questions. Unlike :func:`bootstrap_mean` of the seed-averaged
+    differences, the interval widens when the difference varies between training seeds (with one seed pair it
+    is the question-level interval).
+
+    Args:
+        differences: (S, n) per seed pair and question, the method's correctness minus the baseline's (a 0/1
+            difference in {-1, 0, 1}).
+        resamples: bootstrap resamples.
+        level: confidence level.
+        seed: resampling seed.
+    """
+    diff = np.asarray(differences, dtype=np.float64)
+    if diff.ndim != 2 or diff.size == 0:
+        raise ValueError(f"two_level_bootstrap: need (seed pairs, questions) differences, got shape {diff.shape}")
+    S, n = diff.shape
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    chunk = max(1, 2_000_000 // (n * S))
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        pairs = rng.integers(0, S, size=(stop - start, S))  # (chunk, S)
+        per_question = diff[pairs].mean(axis=1)  # (chunk, n): the drawn pairs averaged per question
+        questions = rng.integers(0, n, size=(stop - start, n))  # (chunk, n)
+        means[start:stop] = np.take_along_axis(per_question, questions, axis=1).mean(axis=1)
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return Interval(float(diff.mean()), float(low), float(high))
+
+
+def sign_flip_test(differences: np.ndarray, resamples: int = BOOTSTRAP, seed: int = SEED) -> float:
+    """Two-sided p-value of a sign-flip permutation test that the mean paired difference is zero.
+
+    Under the null hypothesis the two methods are exchangeable on each question, so each question's difference
+    is as likely to have the opposite sign. The p-value is ``(1 + #{|mean(s * d)| >= |mean(d)|}) / (1 + R)`` over
+    ``R`` random sign vectors ``s`` (Monte Carlo, fixed seed; never 0).
+
+    Args:
+        differences: (n,) per question, the method's (seed-averaged) correctness minus the baseline's.
+    """
+    d = np.asarray(differences, dtype=np.float64)
+    if d.ndim != 1 or d.size == 0:
+        raise ValueError(f"sign_flip_test: need (questions,) differences, got shape {d.shape}")
+    observed = abs(d.mean())
+    rng = np.random.default_rng(seed)
+    hits = 0
+    chunk = max(1, 2_000_000 // d.size)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        signs = rng.integers(0, 2, size=(stop - start, d.size)) * 2.0 - 1.0  # (chunk, n) of +-1
+        hits += int((np.abs((signs * d).mean(axis=1)) >= observed - 1e-12).sum())
+    return (1 + hits) / (1 + resamples)
+
+
 def seed_t_test(differences: list[float]) -> float | None:
     """Two-sided p-value of a t-test that the mean of per-seed differences is zero (scipy's ``ttest_1samp``).
 
@@ -94,4 +154,5 @@ def seed_t_test(differences: list[float]) -> float | None:
     return float(ttest_1samp(values, 0.0).pvalue)
 
 
-__all__ = ["Interval", "bootstrap_mean", "mcnemar_exact", "seed_t_test", "BOOTSTRAP", "LEVEL", "SEED"]
+__all__ = ["Interval", "bootstrap_mean", "two_level_bootstrap", "sign_flip_test", "mcnemar_exact", "seed_t_test",
+           "BOOTSTRAP", "LEVEL", "SEED"]
