@@ -1,0 +1,293 @@
+"""``BituneSFTTrainer``: train a :class:`~bitune.model.BituneModel` inside TRL's ``SFTTrainer``.
+
+What changes against a plain ``SFTTrainer``, and why:
+
+- rows are tokenized by :mod:`bitune.trl.rows` (the tokens of ``bitune train``), handed to TRL pre-tokenized
+  (``input_ids`` + ``labels`` with -100 on the prompt);
+- TRL swaps the model's ``forward`` for a fused LM head over one concatenated sequence; the swap is undone and
+  :meth:`compute_loss` splits each right-padded batch into left-padded prompts and right-padded answers
+  (:func:`~bitune.trl.rows.split_batch`) and calls ``BituneModel.forward``, the forward ``bitune train`` runs, so
+  the loss is the example mean (each example's mean answer-token cross-entropy, averaged over the batch);
+- the optimizer holds exactly ``model.trainable_parameters()``, the mixer's thetas without weight decay;
+- the example order comes from :mod:`bitune.data.sampling` (uniformly shuffled, or length-grouped by prompt and
+  answer length with ``train_sampling_strategy="group_by_length"``), seeded by ``args.seed`` and the epoch only:
+  the order of ``bitune train`` with the same seed and grouping;
+- ``save_model`` and every ``checkpoint-N`` hold a Bitune checkpoint (:mod:`bitune.checkpoint`, with the
+  tokenizer), which ``bitune generate / eval / chat`` and ``BituneModel.from_pretrained`` load; resuming reads
+  it back.
+
+Refused, each with one error saying why: packing and padding-free batches (a Bitune forward needs each prompt
+and answer apart), gradient checkpointing (it drops the prompt passes' KV cache the answer reads), options that
+replace the loss, and rows Bitune cannot use (see :mod:`bitune.trl.rows`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import datasets
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.utils import logging
+from trl import SFTConfig, SFTTrainer
+
+from ..checkpoint import CONFIG_FILE, load_weights, save
+from ..config import BituneConfig
+from ..data.sampling import LengthGroupedSampler, ShuffledSampler
+from ..errors import BituneError
+from ..files import replace_dir
+from ..model import BituneModel
+from .rows import split_batch, tokenize_rows
+
+logger = logging.get_logger(__name__)
+
+class TrainerModel(nn.Module):
+    """The face a ``BituneModel`` shows to ``Trainer``: the base model's transformers config, generation config
+    and model tags, and a forward taking the four batch tensors (so DDP wraps exactly the Bitune forward)."""
+
+    def __init__(self, bitune: BituneModel):
+        super().__init__()
+        self.bitune = bitune
+
+    @property
+    def config(self):
+        return self.bitune.weights.base.config
+
+    @property
+    def generation_config(self):
+        return self.bitune.weights.base.generation_config
+
+    def add_model_tags(self, tags: list[str]) -> None:
+        self.bitune.weights.base.add_model_tags(tags)
+
+    def forward(self, prompt_ids, prompt_mask, answer_ids, answer_mask):
+        return self.bitune(prompt_ids, prompt_mask, answer_ids, answer_mask)
+
+
+class BituneSFTTrainer(SFTTrainer):
+    """TRL's ``SFTTrainer`` for a Bitune model.
+
+    Args:
+        model: a :class:`BituneModel`, or the name/folder of a base model (``bitune.hub.load_model``: built-in
+            names such as ``smollm2-135m`` load offline), wrapped with ``bitune_config``.
+        bitune_config: how to wrap a named model (default: Bitune + LoRA r8); only with a name.
+        args: an ``SFTConfig`` with ``activation_checkpointing=False`` (checkpointing is refused); on a machine
+            without GPUs also ``bf16=False`` (bf16 is ~20x slower on CPU) and ``use_cpu=True`` (needed by
+            transformers to run several processes as one group).
+        train_dataset, eval_dataset: ``datasets.Dataset`` of prompt-completion, conversational or
+            conversational prompt-completion rows.
+        processing_class: the tokenizer (default: the one loaded with a named model).
+        **kwargs: the rest of ``SFTTrainer``'s arguments (``callbacks``, ``optimizers``, ...).
+
+    The checkpoint records ``base_model`` (the name given, else the base model's ``name_or_path``) and the
+    template of the data (``chat`` for conversations, ``none`` for verbatim prompts), so ``bitune generate``
+    writes prompts the way training read them.
+    """
+
+    _tag_names = ["trl", "sft", "bitune"]
+
+    def __init__(self, model: BituneModel | str, args: SFTConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, bitune_config: BituneConfig | None = None, **kwargs):
+        if args is None:
+            raise BituneError("BituneSFTTrainer needs args=SFTConfig(output_dir=..., activation_checkpointing=False"
+                              ", ...)")
+        _check_options(args, kwargs)
+        model, processing_class = _bitune_model(model, bitune_config, processing_class)
+        if train_dataset is None:
+            raise BituneError("BituneSFTTrainer needs a train_dataset")
+        max_length = args.max_length
+        train, dropped, template = _prepare(train_dataset, processing_class, max_length, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: _prepare(v, processing_class, max_length, f"eval[{k!r}]")[0]
+                            for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = _prepare(eval_dataset, processing_class, max_length, "eval")[0]
+        model.config = _record(model.config, template, model.weights.base)
+        if args.ddp_find_unused_parameters is None:
+            args.ddp_find_unused_parameters = False  # every trainable parameter gets a gradient, as in bitune train
+        self.dropped = dropped
+        """Training rows dropped for being longer than ``args.max_length`` tokens."""
+        super().__init__(model=TrainerModel(model), args=args, train_dataset=train, eval_dataset=eval_dataset,
+                         processing_class=processing_class, **kwargs)
+        vars(self.model).pop("forward", None)  # undo TRL's fused-LM-head forward: Bitune's forward is the loss
+
+    # trl/transformers read this: compute_loss returns the batch's example mean, Trainer divides by accumulation
+    loss_is_scaled_for_ga = False
+
+    @property
+    def bitune_model(self) -> BituneModel:
+        """The model being trained."""
+        return self.model.bitune
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Example-mean loss of the batch through ``BituneModel.forward`` (``num_items_in_batch`` unused: every
+        example weighs the same, as in ``bitune train``)."""
+        batch = split_batch(inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
+                            self.processing_class.pad_token_id)
+        out = model(*batch)
+        if self.model.training and not torch.isfinite(out.loss.detach()):
+            raise BituneError(f"training diverged at step {self.state.global_step + 1}: the loss is "
+                              f"{float(out.loss.detach())}; lower the learning rate or set max_grad_norm")
+        return (out.loss, out) if return_outputs else out.loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The evaluation loss only (``eval_loss``: the mean of the batches' example means)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def create_optimizer(self, model=None):
+        """``args.optim`` (default AdamW) over exactly the Bitune model's trainable parameters; the mixer's thetas
+        without weight decay, as in ``bitune train``."""
+        if self.optimizer is None:
+            bitune = self.bitune_model
+            params = list(bitune.trainable_parameters().values())
+            mixer = {id(p) for p in bitune.mixer.parameters()} if bitune.mixer is not None else set()
+            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.args.weight_decay},
+                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        return self.optimizer
+
+    def _get_train_sampler(self, train_dataset=None):
+        """Bitune's seed-and-epoch-determined order (:mod:`bitune.data.sampling`), length-grouped per global
+        batch (``per_device_train_batch_size`` x processes) with ``train_sampling_strategy="group_by_length"``."""
+        data = train_dataset if train_dataset is not None else self.train_dataset
+        strategy = self.args.train_sampling_strategy
+        if strategy == "group_by_length":
+            lengths = [(labels.count(-100), len(labels) - labels.count(-100)) for labels in data["labels"]]
+            group = self.args.per_device_train_batch_size * self.accelerator.num_processes
+            return LengthGroupedSampler(lengths, group, seed=self.args.seed)
+        if strategy != "random":
+            raise BituneError(f"train_sampling_strategy={strategy!r}: BituneSFTTrainer draws 'random' or "
+                              "'group_by_length' orders")
+        return ShuffledSampler(len(data), self.args.seed)
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Write a Bitune checkpoint (adapters, mixer, config) and the tokenizer into ``output_dir``.
+
+        Other entries of the folder (``checkpoint-N``, logs) are kept; the config is removed first and written
+        last, so a folder interrupted while being written is not taken for a complete checkpoint."""
+        if not self.args.should_save:
+            return
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            save(self.bitune_model, tmp / "checkpoint")
+            self.processing_class.save_pretrained(str(tmp / "checkpoint"))
+            (out / CONFIG_FILE).unlink(missing_ok=True)
+            entries = sorted((tmp / "checkpoint").iterdir(), key=lambda p: p.name == CONFIG_FILE)
+            for entry in entries:
+                if entry.is_dir():
+                    replace_dir(entry, out / entry.name)
+                else:
+                    os.replace(entry, out / entry.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_weights(self.bitune_model, resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        load_weights(self.bitune_model, self.state.best_model_checkpoint)
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _check_options(args: SFTConfig, kwargs: dict) -> None:
+    """Refuse what Bitune cannot train with, each with the reason."""
+    if not isinstance(args, SFTConfig):
+        raise BituneError(f"BituneSFTTrainer: args must be an SFTConfig, got {type(args).__name__}")
+    if args.packing:
+        raise BituneError("BituneSFTTrainer: packing=True is refused: Bitune reads each prompt on its own (twice) "
+                          "and answers it, so examples cannot be packed into one sequence; set packing=False")
+    if args.padding_free:
+        raise BituneError("BituneSFTTrainer: padding_free=True is refused: Bitune's forward takes left-padded "
+                          "prompts and right-padded answers apart, not one flattened sequence; set padding_free=False")
+    if args.activation_checkpointing:
+        raise BituneError("BituneSFTTrainer: activation (gradient) checkpointing, on by SFTConfig's default, is "
+                          "refused: it runs the prompt passes without a KV cache, and Bitune's answer pass reads "
+                          "that cache; pass SFTConfig(activation_checkpointing=False)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size == 1:
+        raise BituneError(f"BituneSFTTrainer: launched as {launched} processes, but this SFTConfig sets up 1 (on a "
+                          "machine without GPUs, transformers runs them as one group only with use_cpu=True): every "
+                          "process would train alone on all the data; pass SFTConfig(use_cpu=True)")
+    if args.assistant_only_loss:
+        raise BituneError("BituneSFTTrainer: assistant_only_loss=True is refused: Bitune learns the last assistant "
+                          "turn of each conversation, the turns before it are the prompt; leave it False")
+    if args.completion_only_loss is False:
+        raise BituneError("BituneSFTTrainer: completion_only_loss=False is refused: Bitune's loss is on the answer "
+                          "only (the prompt is read by the prompt passes); leave it None")
+    if args.loss_type != "nll" or args.label_smoothing_factor:
+        raise BituneError("BituneSFTTrainer: loss_type and label_smoothing_factor are refused: the loss is Bitune's "
+                          "(each example's mean answer-token cross-entropy); leave loss_type='nll' and no smoothing")
+    for name in ("peft_config", "formatting_func", "compute_loss_func", "compute_metrics", "data_collator"):
+        if kwargs.get(name) is not None:
+            raise BituneError(f"BituneSFTTrainer: {name}= is refused: "
+                              + {"peft_config": "the BituneModel holds its own adapters (set them in BituneConfig)",
+                                 "formatting_func": "it turns rows into plain text, with no prompt/answer split",
+                                 "compute_loss_func": "the loss is Bitune's example mean",
+                                 "compute_metrics": "evaluation reports eval_loss only (answer logits are not "
+                                                    "aligned with TRL's sequences)",
+                                 "data_collator": "batches are TRL's own right-padded prompt + answer rows, split "
+                                                  "by the trainer"}[name])
+
+
+def _bitune_model(model, bitune_config: BituneConfig | None, tokenizer):
+    """The BituneModel and tokenizer to train: the model given, or a named base model loaded and wrapped."""
+    if isinstance(model, BituneModel):
+        if bitune_config is not None:
+            raise BituneError("BituneSFTTrainer: bitune_config= is only for a model given by name; this "
+                              "BituneModel already has its config")
+        if tokenizer is None:
+            raise BituneError("BituneSFTTrainer: pass processing_class=<tokenizer> with a BituneModel")
+        return model, tokenizer
+    if not isinstance(model, str):
+        raise BituneError(f"BituneSFTTrainer: model must be a BituneModel or a base model name/folder, got "
+                          f"{type(model).__name__} (wrap it with BituneModel.wrap)")
+    from ..hub import load_model
+
+    base, loaded = load_model(model)
+    config = bitune_config if bitune_config is not None else BituneConfig()
+    if config.base_model is None:
+        config = dataclasses.replace(config, base_model=model)
+    return BituneModel.wrap(base, config), tokenizer if tokenizer is not None else loaded
+
+
+def _prepare(dataset, tokenizer, max_length: int | None, name: str):
+    """Rows -> a pre-tokenized ``datasets.Dataset`` (``input_ids``, ``labels``), the dropped count, the template."""
+    if not isinstance(dataset, datasets.Dataset):
+        raise BituneError(f"BituneSFTTrainer: the {name} dataset must be a datasets.Dataset (streaming datasets "
+                          f"are not supported), got {type(dataset).__name__}")
+    samples, dropped, template = tokenize_rows(dataset, tokenizer, max_length, name)
+    if dropped:
+        logger.warning(f"BituneSFTTrainer: {name} dataset: {dropped} of {len(samples) + dropped} rows dropped "
+                       f"(longer than max_length={max_length} tokens)")
+    return datasets.Dataset.from_list(samples), dropped, template
+
+
+def _record(config: BituneConfig, template: str, base: nn.Module) -> BituneConfig:
+    """The config to save: the data's template and the base model's name recorded where they are unset.
+
+    Raises:
+        BituneError: the config records the chat template for verbatim prompts, or another template for
+            conversations (generation would then write prompts unlike those trained on).
+    """
+    if config.template is not None and (config.template == "chat") != (template == "chat"):
+        kind = "conversations" if template == "chat" else "prompt-completion text rows"
+        raise BituneError(f"BituneConfig.template={config.template!r} does not fit {kind}: use "
+                          f"{'chat' if template == 'chat' else 'none or paper'} (or leave it None)")
+    name = config.base_model or getattr(base.config, "name_or_path", None) or None
+    return dataclasses.replace(config, template=config.template or template, base_model=name)
+
+
+__all__ = ["BituneSFTTrainer", "TrainerModel"]

@@ -1,0 +1,305 @@
+"""``BituneSFTTrainer`` (TRL's SFTTrainer for a BituneModel): the same tokens, loss, gradients, example order and
+weights as ``bitune train`` on the same rows; checkpoints that load and generate; exact resume; 2 processes reach
+the weights of 1; every refused option and row refused with one error naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from datasets import Dataset
+from eval_helpers import tiny_tokenizer
+from test_conversations import CONVERSATION, chat_tokenizer
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl_helpers import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, trainable, write_bitune_rows
+
+from bitune import BituneConfig, BituneModel
+from bitune.checkpoint import load_bitune
+from bitune.data import load_examples, tokenize_dataset
+from bitune.data.collate import Collator, pad_id
+from bitune.data.templates import Example
+from bitune.errors import BituneError
+from bitune.train.settings import TrainSettings
+from bitune.train.trainer import build_trainer, run_training
+from bitune.trl import BituneSFTTrainer, TrainerModel
+from bitune.trl.rows import split_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def bitune_samples(tmp_path, trl_rows, tokenizer) -> list[dict]:
+    """What ``bitune train`` feeds its loop: the rows loaded from a file and tokenized by its code."""
+    examples = load_examples(write_bitune_rows(tmp_path / "rows.jsonl", trl_rows), "train")
+    return tokenize_dataset(tokenizer, examples, 128)[0]
+
+
+def assert_same(got: dict, expected: dict, atol: float) -> None:
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=atol, msg=k)
+
+
+# ------------------------------------------------------------------------------------------- data
+def test_prompt_completion_rows_are_tokenized_as_bitune_train_does(tmp_path):
+    trainer = sft_trainer(str(tmp_path / "out"))
+    expected = bitune_samples(tmp_path, rows(), tiny_tokenizer())
+    got = trainer.train_dataset
+    assert got["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in expected]
+    assert got["labels"] == [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in expected]
+    assert all(s["answer_ids"][-1] == tiny_tokenizer().eos_token_id for s in expected)
+    assert trainer.bitune_model.config.template == "none"
+
+
+@pytest.mark.parametrize("kind", ["smollm2", "gemma3"])
+def test_conversations_are_rendered_as_bitune_train_renders_them(tmp_path, kind):
+    """``messages`` rows and conversational prompt-completion rows give ``bitune train``'s chat tokens."""
+    tok = chat_tokenizer(kind)
+    conversations = [CONVERSATION, CONVERSATION[1:3], [CONVERSATION[0], *CONVERSATION[3:]]]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    expected = tokenize_dataset(tok, load_examples(str(path), "train"), 512)[0]
+    model = BituneModel.wrap(AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)))
+    data = {"messages": [{"messages": m} for m in conversations],
+            "prompt_completion": [{"prompt": m[:-1], "completion": m[-1:]} for m in conversations]}
+    for fmt, train_rows in data.items():
+        trainer = sft_trainer(str(tmp_path / fmt), train_rows, model=model, tokenizer=tok, max_length=512)
+        got = trainer.train_dataset
+        assert got["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in expected], fmt
+        assert got["labels"] == [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in expected], fmt
+        assert trainer.bitune_model.config.template == "chat"
+
+
+def test_split_batch_gives_the_collators_batch():
+    """TRL's right-padded prompt+answer rows split into exactly what bitune train's Collator pads."""
+    tok = tiny_tokenizer()
+    samples = tokenize_dataset(tok, [Example(r["prompt"], r["completion"], template="none") for r in rows(5)])[0]
+    trl_batch = {"input_ids": [s["prompt_ids"] + s["answer_ids"] for s in samples],
+                 "labels": [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in samples]}
+    collated = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)(
+        [dict(zip(trl_batch, v)) for v in zip(*trl_batch.values())])
+    got = split_batch(collated["input_ids"], collated["attention_mask"], collated["labels"], tok.pad_token_id)
+    expected = Collator(pad_id(tok))(samples)
+    for name, tensor in zip(("prompt_ids", "prompt_mask", "answer_ids", "answer_mask"), got):
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_rows_longer_than_max_length_are_dropped_not_truncated(tmp_path):
+    samples = bitune_samples(tmp_path, rows(), tiny_tokenizer())
+    limit = sorted(len(s["prompt_ids"]) + len(s["answer_ids"]) for s in samples)[len(samples) // 2]
+    trainer = sft_trainer(str(tmp_path / "out"), max_length=limit)
+    kept = [s for s in samples if len(s["prompt_ids"]) + len(s["answer_ids"]) <= limit]
+    assert 0 < len(kept) < len(rows()) and trainer.dropped == len(rows()) - len(kept)
+    assert trainer.train_dataset["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in kept]
+
+
+# ------------------------------------------------------------------------------------------- loss and gradients
+def test_loss_and_gradients_equal_bitune_forward(tmp_path):
+    """The trainer's loss on a TRL batch and its gradients equal BituneModel's forward on bitune train's batch of
+    the same rows (fp32, 1e-6), and TRL's fused-LM-head forward is not what runs."""
+    trainer = sft_trainer(str(tmp_path / "out"), per_device_train_batch_size=5)
+    assert isinstance(trainer.model, TrainerModel) and "forward" not in vars(trainer.model)
+    model = trainer.bitune_model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    order = [trainer.train_dataset["input_ids"].index(r.tolist()[:int(m.sum())])
+             for r, m in zip(batch["input_ids"], batch["attention_mask"])]
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    got = {k: p.grad.clone() for k, p in model.trainable_parameters().items()}
+    model.zero_grad()
+    samples = bitune_samples(tmp_path, rows(), tiny_tokenizer())
+    reference = Collator(pad_id(tiny_tokenizer()))([samples[i] for i in order])
+    out = model(reference["prompt_ids"], reference["prompt_mask"], reference["answer_ids"], reference["answer_mask"])
+    out.loss.backward()
+    torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, out.example_loss.mean(), rtol=0, atol=1e-6)  # the example mean
+    assert_same(got, {k: p.grad for k, p in model.trainable_parameters().items()}, atol=1e-6)
+    assert all(g.abs().sum() > 0 for g in got.values())  # both adapters and the mixer learn
+
+
+def test_eval_loss_is_the_mean_over_examples(tmp_path):
+    """``evaluate()`` on a conversational eval set: eval_loss is the mean of every example's loss, as bitune
+    train's evaluation computes it (batches of 3 over 5 rows: a short last batch)."""
+    tok = chat_tokenizer("smollm2")
+    conversations = [CONVERSATION, CONVERSATION[1:3], CONVERSATION[:3], [CONVERSATION[1], CONVERSATION[4]],
+                     [CONVERSATION[0], *CONVERSATION[3:]]]
+    model = BituneModel.wrap(AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)))
+    data = Dataset.from_list([{"messages": m} for m in conversations])
+    trainer = BituneSFTTrainer(model=model, args=sft_config(str(tmp_path), per_device_eval_batch_size=3,
+                                                            max_length=512),
+                               train_dataset=data, eval_dataset=data, processing_class=tok)
+    got = trainer.evaluate()["eval_loss"]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    samples = tokenize_dataset(tok, load_examples(str(path), "train"), 512)[0]
+    with torch.no_grad():
+        expected = model.eval()(*Collator(pad_id(tok))(samples).values()).example_loss.mean()
+    assert got == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_launched_processes_without_a_process_group_are_refused(tmp_path, monkeypatch):
+    """On a machine without GPUs transformers groups the processes only with use_cpu=True; without it each one
+    would train alone on all the data."""
+    args = sft_config(str(tmp_path), use_cpu=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(BituneError, match="launched as 2 processes.*use_cpu=True"):
+        BituneSFTTrainer(model=fresh_model(), args=args, train_dataset=Dataset.from_list(rows()),
+                         processing_class=tiny_tokenizer())
+
+
+def test_thetas_are_not_decayed(tmp_path):
+    trainer = sft_trainer(str(tmp_path / "out"), weight_decay=0.1)
+    optimizer = trainer.create_optimizer()
+    model = trainer.bitune_model
+    mixer = {id(p) for p in model.mixer.parameters()}
+    decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    assert decay == {0.1: {id(p) for p in model.trainable_parameters().values()} - mixer, 0.0: mixer}
+
+
+# ------------------------------------------------------------------------------------------- runs
+def test_trl_run_matches_bitune_train(tmp_path):
+    """6 steps (crossing an epoch) of batch 2 x accumulation 2, length-grouped, weight decay 0.1, clip 1.0: the
+    TRL run and bitune train's loop draw the same batches and reach the same weights."""
+    trainer = sft_trainer(str(tmp_path / "trl"), max_steps=6)
+    trainer.train()
+    settings = TrainSettings.from_dict(dict(
+        model="tiny", dataset="tiny", output_dir=str(tmp_path / "bitune"), batch_size=2, grad_accum=2, steps=6,
+        lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, warmup_ratio=0.0, group_by_length=True, log_every=1, seed=0,
+        save_every=None, bitune={"variant": "bitune"}))
+    loop = build_trainer(fresh_model(), settings, bitune_samples(tmp_path, rows(), tiny_tokenizer()), None,
+                         Collator(pad_id(tiny_tokenizer())), tensorboard=False)
+    run_training(loop, settings)
+    before = trainable(fresh_model())
+    after = trainable(loop.model)
+    assert all(not torch.equal(before[k], after[k]) for k in after)
+    assert_same(trainable(trainer.bitune_model), after, atol=1e-6)
+
+
+class StopAt(TrainerCallback):
+    """Save a checkpoint at step ``at`` and stop there (an interrupted run)."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_save = control.should_training_stop = True
+
+
+def test_resume_continues_exactly(tmp_path):
+    """4 steps straight == 2 steps, a checkpoint, a fresh trainer resuming it for the last 2 (bit for bit)."""
+    straight = sft_trainer(str(tmp_path / "straight"))
+    straight.train()
+    stopped = sft_trainer(str(tmp_path / "run"), callbacks=[StopAt(2)])
+    stopped.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "bitune_config.json").is_file() and (checkpoint / "optimizer.pt").is_file()
+    resumed = sft_trainer(str(tmp_path / "run"))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert_same(trainable(resumed.bitune_model), trainable(straight.bitune_model), atol=0)
+
+
+def test_saved_model_loads_and_generates_the_same_tokens(tmp_path):
+    trainer = sft_trainer(str(tmp_path / "out"), save_strategy="steps", save_steps=2)
+    trainer.train()
+    final = tmp_path / "out"
+    trainer.save_model()  # into output_dir, next to its checkpoint-N folders
+    assert sorted(p.name for p in final.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers
+    config = json.loads((final / "bitune_config.json").read_text())
+    assert config["template"] == "none" and config["variant"] == "bitune"
+    loaded = BituneModel.from_pretrained(final, base=tiny_model()).eval()
+    model = trainer.bitune_model.eval()
+    assert_same(trainable(loaded), trainable(model), atol=0)
+    tok = tiny_tokenizer()
+    prompts = tok(["q1: red blue?", "q7: sun moon tree?"], padding=True, padding_side="left", return_tensors="pt")
+    args = (prompts["input_ids"], prompts["attention_mask"])
+    assert torch.equal(loaded.generate(*args, max_new_tokens=8), model.generate(*args, max_new_tokens=8))
+
+
+def test_a_named_model_is_loaded_wrapped_and_recorded(tmp_path):
+    base = tmp_path / "base"
+    tiny_model().save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    trainer = BituneSFTTrainer(model=str(base), bitune_config=BituneConfig(variant="no_mixing"),
+                               args=sft_config(str(tmp_path / "out"), max_steps=1),
+                               train_dataset=Dataset.from_list(rows()))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    config = json.loads((tmp_path / "final" / "bitune_config.json").read_text())
+    assert config["base_model"] == str(base) and config["variant"] == "no_mixing"
+    model, _ = load_bitune(checkpoint=str(tmp_path / "final"))  # what bitune generate/eval/chat load
+    assert_same(trainable(model), trainable(trainer.bitune_model), atol=0)
+
+
+@pytest.mark.slow
+def test_two_processes_reach_the_weights_of_one(tmp_path):
+    """accelerate launch with configs/accelerate/ddp.yaml, 2 gloo processes x batch 1 == 1 process x batch 2 (the
+    same global batches; DDP averages the two per-process means). The losses agree to every printed digit; the
+    weights to 5e-5 after 4 AdamW steps at lr 1e-2: Adam divides each gradient entry by its running RMS, so the
+    float rounding of the all-reduce (1e-7 relative) in entries whose gradient is near zero moves them by up to
+    a few 1e-5 (measured: 1.2e-5 on one tensor, 1e-6 or less elsewhere)."""
+    one = sft_trainer(str(tmp_path / "one"), per_device_train_batch_size=2)
+    one.train()
+    job = accelerate_launch(2, "--out", str(tmp_path / "two"), "--batch-size", "1")
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    two = BituneModel.from_pretrained(tmp_path / "two" / "final", base=tiny_model())
+    assert_same(trainable(two), trainable(one.bitune_model), atol=5e-5)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("option, match", [
+    ({"packing": True}, "packing=True is refused: Bitune reads each prompt on its own"),
+    ({"padding_free": True}, "padding_free=True is refused"),
+    ({"activation_checkpointing": True}, "checkpointing, on by SFTConfig's default, is refused: it runs the prompt "
+                                         "passes without a KV cache"),
+    ({"activation_checkpointing": None, "gradient_checkpointing": True}, "activation_checkpointing=False"),
+    ({"assistant_only_loss": True}, "assistant_only_loss=True is refused"),
+    ({"completion_only_loss": False}, "completion_only_loss=False is refused"),
+    ({"loss_type": "dft"}, "loss_type and label_smoothing_factor are refused"),
+])
+def test_options_bitune_cannot_train_with_are_refused(tmp_path, option, match):
+    with pytest.raises(BituneError, match=match):
+        sft_trainer(str(tmp_path / "out"), **option)
+
+
+@pytest.mark.parametrize("bad_rows, match", [
+    ([{"text": "just some text"}], "field 'text' is plain language-modeling text"),
+    ([{"prompt": "q: red?"}], "field 'prompt' without a field 'completion'"),
+    ([*rows(3), {"prompt": "q: x?", "completion": None}], "train dataset row 3 field 'completion' is missing"),
+    ([*rows(2), {"prompt": "", "completion": " red."}], r"example 2 of the train dataset \(field 'prompt'\): prompt '' "
+                                                         "has 1 token"),
+    ([{"messages": [{"role": "user", "content": "hi"}]}], "train dataset: row 0 field 'messages' has no assistant"),
+    ([{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "user", "content": "x"}]}],
+     "train dataset row 0 field 'completion' must be one assistant turn"),
+    ([{"input_ids": [1, 2, 3]}], "pre-tokenized rows"),
+])
+def test_rows_bitune_cannot_use_are_refused_naming_row_and_field(tmp_path, bad_rows, match):
+    with pytest.raises(BituneError, match=match):
+        sft_trainer(str(tmp_path / "out"), bad_rows)
+
+
+def test_a_batch_that_is_not_prompt_then_answer_is_refused():
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with pytest.raises(BituneError, match="batch row 0"):  # -100 inside the answer
+        split_batch(ids, mask, torch.tensor([[-100, -100, 7, -100, 9], [-100, -100, 7, -100, -100]]), 0)
+    with pytest.raises(BituneError, match="batch row 1"):  # a 1-token prompt
+        split_batch(ids, mask, torch.tensor([[-100, -100, 7, 8, 9], [-100, 6, 7, -100, -100]]), 0)
+
+
+def test_a_plain_model_or_peft_config_is_refused(tmp_path):
+    data = Dataset.from_list(rows())
+    with pytest.raises(BituneError, match="BituneModel or a base model name"):
+        BituneSFTTrainer(model=tiny_model(), args=sft_config(str(tmp_path)), train_dataset=data,
+                         processing_class=tiny_tokenizer())
+    with pytest.raises(BituneError, match="peft_config= is refused"):
+        BituneSFTTrainer(model=fresh_model(), args=sft_config(str(tmp_path)), train_dataset=data,
+                         processing_class=tiny_tokenizer(), peft_config=object())
