@@ -121,7 +121,20 @@ def concat_rows(caches: list):
             parts = [getattr(c.layers[i], name) for c in caches]  # (B_j, h, T_j, d)
             T = max(x.shape[2] for x in parts)
             setattr(layer, name, torch.cat([torch.nn.functional.pad(x, (0, 0, T - x.shape[2], 0)) for x in parts]))
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer: positions seen by the longest row
+            layer.cumulative_length = max(c.layers[i].cumulative_length for c in caches)
     return out
+
+
+def drop_front(cache, n: int, length: int) -> None:
+    """Forget the first ``n`` of the ``length`` positions of every row (left padding no row needs any more), in
+    place; a sliding-window layer, which keeps only its last keys, loses only those that fall before ``n``."""
+    for layer in cache.layers:
+        keep = min(layer.keys.shape[-2], length - n)
+        layer.keys = layer.keys[..., layer.keys.shape[-2] - keep:, :]
+        layer.values = layer.values[..., layer.values.shape[-2] - keep:, :]
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer counts the positions seen
+            layer.cumulative_length = length - n
 
 
 def extendable_copy(cache, config, rows: torch.Tensor, stop_after_layer: int | None):

@@ -22,8 +22,8 @@ from pathlib import Path
 from .data.collate import pad_id
 from .errors import BituneError
 from .files import write_text_atomic
-from .generation import StopStreamer, answer_room, cut_at_stop, end_of_turn_ids, pad_prompts, paper_prompt, \
-    pick_template
+from .generation import StopStreamer, answer_room, cut_at_stop, end_of_turn_ids, pad_prompts, pick_template, \
+    render_messages
 
 MODES = ("recompute", "alternating")
 PAPER_STOP = "Question:"
@@ -113,17 +113,9 @@ class Conversation:
 
     # ------------------------------------------------------------------------------------------- rendering
     def render(self, messages: list[dict[str, str]]) -> str:
-        """The text of ``messages``; ending with a user turn, it ends with the prompt for the answer."""
-        if self.template == "chat":
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=messages[-1]["role"] == "user",
-                                                      tokenize=False)
-        turns = []
-        for m in messages:
-            if m["role"] == "user":
-                turns.append(paper_prompt(m["content"]))
-            else:
-                turns[-1] += f" {m['content']}"
-        return "\n\n".join(turns)
+        """The text of ``messages`` (:func:`bitune.generation.render_messages`); ending with a user turn, it ends
+        with the prompt for the answer."""
+        return render_messages(self.tokenizer, messages, self.template)[0]
 
     def _new_turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Tokens of the new user turn for alternating mode: the full rendering minus what is in the cache.

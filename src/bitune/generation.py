@@ -49,15 +49,42 @@ def render(tokenizer, text: str, template: str = "paper") -> tuple[str, bool]:
 
     The chat template writes its own special tokens (BOS included), so it is encoded without them.
     """
-    if template == "paper":
-        return paper_prompt(text), True
+    if template == "none":
+        return text, True
+    return render_messages(tokenizer, [{"role": "user", "content": text}], template)
+
+
+def render_messages(tokenizer, messages: list[dict[str, str]], template: str = "paper") -> tuple[str, bool]:
+    """The text of a conversation and whether to add the tokenizer's special tokens when encoding it.
+
+    Ending with a user turn, the text ends with the prompt for the answer. ``chat``: the tokenizer's chat template
+    (every role it knows). ``paper``: one ``Question: ...\\n\\nAnswer:`` turn per user message, each assistant
+    answer after its question (a space in between), turns joined by a blank line; system messages come first, as
+    plain paragraphs.
+
+    Args:
+        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        template: ``"paper"`` or ``"chat"`` (``"none"`` has no turns).
+    """
     if template == "chat":
         if not getattr(tokenizer, "chat_template", None):
             raise BituneError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use --template paper")
-        messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=messages[-1]["role"] == "user",
+                                             tokenize=False), False
+    if template == "paper":
+        system, turns = [], []
+        for m in messages:
+            if m["role"] == "system":
+                system.append(m["content"])
+            elif m["role"] == "user":
+                turns.append(paper_prompt(m["content"]))
+            elif turns:
+                turns[-1] += f" {m['content']}"
+            else:
+                raise BituneError("an assistant message must follow a user message (paper template)")
+        return "\n\n".join(system + turns), True
     if template == "none":
-        return text, True
+        raise BituneError("template 'none' (verbatim prompts) has no turns: give the text as one prompt")
     raise BituneError(f"--template {template!r} is not one of {list(TEMPLATES)}")
 
 
@@ -98,26 +125,44 @@ def cut_at_stop(text: str, stops: list[str] | None) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- generation
-class StopStreamer(TextStreamer):
-    """transformers' ``TextStreamer`` (prints words as they are decoded) that never prints a stop string.
+class StopText:
+    """An answer's text as it grows, never showing a stop string: text that could be the start of one is held
+    back until it is known not to be.
 
-    Text that could be the start of a stop string is held back until it is known not to be one.
+    Attributes:
+        shown: characters of the text shown so far.
+        stopped: whether the text reached a stop string.
     """
+
+    def __init__(self, stops: list[str] | None = None):
+        self.stops = [s for s in stops or [] if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.shown = 0
+        self.stopped = False
+
+    def update(self, text: str, end: bool = False) -> str:
+        """Take the whole text so far; return what newly becomes visible (``end``: the text is complete)."""
+        cut = cut_at_stop(text, self.stops)
+        self.stopped = len(cut) < len(text)
+        stop = len(cut) if end or self.stopped else max(self.shown, len(cut) - self.hold)
+        new = text[self.shown:stop]
+        self.shown = max(self.shown, stop)
+        return new
+
+
+class StopStreamer(TextStreamer):
+    """transformers' ``TextStreamer`` (prints words as they are decoded) that never prints a stop string."""
 
     def __init__(self, tokenizer, stops: list[str] | None = None, file=None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.stops = [s for s in stops or [] if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.stop_text = StopText(stops)
         self.file = file
         self.text = ""
-        self.shown = 0
 
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         self.text += text
-        cut = cut_at_stop(self.text, self.stops)
-        end = len(cut) if stream_end or len(cut) < len(self.text) else max(self.shown, len(cut) - self.hold)
-        print(self.text[self.shown:end], end="\n" if stream_end else "", flush=True, file=self.file or sys.stdout)
-        self.shown = max(self.shown, end)
+        print(self.stop_text.update(self.text, stream_end), end="\n" if stream_end else "", flush=True,
+              file=self.file or sys.stdout)
 
 
 def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper", max_new_tokens: int = 128,

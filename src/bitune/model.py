@@ -272,6 +272,29 @@ class BituneModel(nn.Module):
                         out[:, -1:])
         return new, state
 
+    @torch.no_grad()
+    def decode_step(self, state: Prefill, pick) -> Prefill:
+        """One decoding step on a prefill, as ``generate`` runs it after :meth:`prefill`: the causal weights read
+        each row's pending token (``state.last_token``) on top of the cache, and ``pick`` chooses the next one.
+
+        A batch of rows can be stepped together whatever each row's length (left padding); rows can join
+        (:meth:`Prefill.concat`) or leave (:meth:`Prefill.select`) between steps. ``state.cache`` is extended in
+        place.
+
+        Args:
+            state: the rows so far (from :meth:`prefill`, or the previous step).
+            pick: maps the (B, V) next-token logits to (B,) token ids (greedy: ``argmax(-1)``).
+
+        Returns:
+            The state after the step: the pending tokens cached, the picked tokens pending.
+        """
+        mask = torch.cat([state.mask, torch.ones_like(state.last_token)], dim=1)  # (B, T+1)
+        out = self.weights.call("causal", input_ids=state.last_token, attention_mask=mask,
+                                position_ids=position_ids(mask)[:, -1:], cache=state.cache, use_cache=True,
+                                logits_to_keep=1)
+        token = pick(out.logits[:, -1]).reshape(-1, 1).to(state.last_token)  # (B, 1)
+        return Prefill(state.cache, torch.cat([state.ids, state.last_token], dim=1), mask, token)
+
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`."""

@@ -49,6 +49,15 @@ class Prefill:
         return Prefill(kv.concat_rows([p.cache for p in prefills]), torch.cat([left(p.ids) for p in prefills]),
                        torch.cat([left(p.mask) for p in prefills]), torch.cat([p.last_token for p in prefills]))
 
+    def trimmed(self) -> "Prefill":
+        """The same rows without the leading positions that are padding in every row (after rows left, say);
+        the cache is trimmed in place."""
+        n = int(self.mask.any(0).long().argmax()) if self.mask.shape[1] else 0  # positions before any real token
+        if n == 0:
+            return self
+        kv.drop_front(self.cache, n, self.mask.shape[1])
+        return Prefill(self.cache, self.ids[:, n:], self.mask[:, n:], self.last_token)
+
 
 def read_pass(model, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
               history: Prefill | None = None):

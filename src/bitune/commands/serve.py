@@ -1,0 +1,110 @@
+"""``bitune serve``: an OpenAI-compatible HTTP API for a checkpoint (or a base model) with continuous batching.
+
+Loads the model like ``bitune generate`` (:func:`bitune.checkpoint.load_bitune`), then runs the app of
+:mod:`bitune.serve` under uvicorn. SIGTERM or Ctrl-C stops accepting connections, lets the answers under way
+finish for up to ``--drain-seconds``, then ends the rest and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+
+from ..errors import BituneError
+from .options import HelpFormatter, add_model_options
+
+HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
+KEY_ENV = "BITUNE_API_KEY"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = HelpFormatter
+    parser.description = (
+        "Serve a Bitune checkpoint (or a base model) over an OpenAI-compatible HTTP API: GET /health, "
+        "GET /v1/models, POST /v1/chat/completions, POST /v1/completions. Requests are batched continuously: new "
+        "prompts are read (both prompt passes) between decoding steps and join the running batch. Examples:\n"
+        "  bitune serve --checkpoint runs/alpaca/final\n"
+        "  bitune serve --model smollm2-135m --port 8001 --api-key s3cret\n"
+        "Chat requests are written with the template the checkpoint was trained with, as 'bitune generate' "
+        "writes them; /v1/completions takes the prompt text as given.")
+    add_model_options(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port")
+    parser.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1 (default: "
+                        f"${KEY_ENV} if set, else no key)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients send (default: the --checkpoint or --model argument)")
+    parser.add_argument("--template", choices=["paper", "chat", "none"], default=None,
+                        help="how chat requests are written (default: the template the checkpoint was trained with)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together at most")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting for a batch slot at most; more are answered 503")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    parser.add_argument("--drain-seconds", type=int, default=5,
+                        help="on SIGTERM/Ctrl-C, time answers under way get to finish")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level")
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning to print when the server listens beyond this machine without an API key (else None)."""
+    if api_key:
+        return None
+    if host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name other than localhost
+    return (f"bitune serve: warning: listening on {host} without an API key: anyone who can reach this port can "
+            f"use the model; set --api-key or ${KEY_ENV}")
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
+                             ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
+                             ("--drain-seconds", args.drain_seconds, 0)):
+        if value < low:
+            raise BituneError(f"{flag} {value}: must be >= {low}")
+    if args.port > 65535:
+        raise BituneError(f"--port {args.port}: must be <= 65535")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise BituneError("--api-key is empty")
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
+    try:
+        import uvicorn
+
+        from ..serve.app import Served, create_app
+        from ..serve.scheduler import Scheduler
+    except ImportError as e:
+        raise BituneError(f"bitune serve needs the 'serve' extra ({e.name} is missing): "
+                          "pip install 'bitune[serve]'") from e
+    from ..checkpoint import load_bitune
+    from ..generation import pick_template
+
+    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
+                                   args.prompt_passes)
+    template, why = pick_template(model, tokenizer, args.template)
+    name = args.served_model_name or args.checkpoint or args.model
+    print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "
+          f"{template} template ({why})", file=sys.stderr)
+    served = Served(model, tokenizer, name, template)
+    app = create_app(served, Scheduler(model, tokenizer, args.max_batch_size, args.max_queue), api_key,
+                     args.max_body_bytes)
+    # uvicorn turns SIGTERM into a graceful shutdown, then raises the signal again for the handler it found: a
+    # no-op one lets a drained server exit 0, as after any finished command.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.drain_seconds)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print("bitune serve: stopped", file=sys.stderr)
+    return 0

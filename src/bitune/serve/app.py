@@ -1,0 +1,308 @@
+"""The HTTP app of ``bitune serve`` (FastAPI): routes, the API key and body-size gate, requests turned into
+scheduler jobs, answers as JSON or server-sent events.
+
+The scheduler thread sends each job's events into the request's asyncio queue with
+``loop.call_soon_threadsafe``; the handler turns them into one response or a stream of OpenAI chunks ending
+``data: [DONE]``. A client that goes away cancels its job. Prompts are written exactly as ``bitune generate``
+writes them (:func:`bitune.generation.render_messages`, the checkpoint's recorded template); ``/v1/completions``
+takes the text as given (template ``none``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import BituneError
+from ..generation import end_of_turn_ids, render, render_messages
+from . import protocol as api
+from .scheduler import Job, QueueFull, Scheduler
+
+MAX_BODY_BYTES = 1 << 20
+"""Default limit on a request body (1 MiB); larger bodies get 413."""
+COMPLETION_DEFAULT_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens`` generates at most this many tokens (OpenAI's default)."""
+FALLBACK_MAX_TOKENS = 4096
+"""A chat request without ``max_tokens`` stops at the model's context, or here if the model names none."""
+
+
+@dataclass
+class Served:
+    """What the server serves and how it writes prompts.
+
+    Attributes:
+        name: the model name clients must send (``model``).
+        template: the chat endpoint's template (:func:`bitune.generation.pick_template`).
+        context: the model's maximum position (prompt + answer), or None if the config names none.
+    """
+
+    model: object
+    tokenizer: object
+    name: str
+    template: str
+
+    def __post_init__(self):
+        limit = getattr(self.model.text_config, "max_position_embeddings", None)
+        self.context = limit if isinstance(limit, int) else None
+        self.end_ids = {t: frozenset(end_of_turn_ids(self.tokenizer, self.model, t))
+                        for t in {self.template, "none"}}
+
+    def chat_prompt(self, turns: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat request, written with the checkpoint's template."""
+        if self.template == "none":  # trained on verbatim prompts: one user message, as given
+            if len(turns) != 1:
+                raise api.APIError(400, "this model was trained on verbatim prompts (template 'none'): send one "
+                                   "user message, or use /v1/completions", "messages")
+            text, special = render(self.tokenizer, turns[0]["content"], "none")
+        else:
+            try:
+                text, special = render_messages(self.tokenizer, turns, self.template)
+            except BituneError as e:
+                raise api.APIError(400, f"messages: {e}", "messages") from e
+        return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            text, special = render(self.tokenizer, prompt, "none")
+            return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        vocab = self.model.weights.base.get_input_embeddings().num_embeddings
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise api.APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def job(self, body, prompt: list[int], default_tokens: int | None, template: str) -> Job:
+        """The scheduler job of a request, after the checks that need the prompt's length."""
+        param = "prompt" if isinstance(body, api.CompletionRequest) else "messages"
+        if len(prompt) < 2:
+            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed", param)
+        room = None if self.context is None else self.context - len(prompt)
+        if room is not None and room < 1:
+            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} tokens; this model's context is "
+                               f"{self.context} tokens (prompt + answer)", param, code="context_length_exceeded")
+        limit = body.limit
+        if limit is not None and room is not None and limit > room:
+            name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            raise api.APIError(400, f"{name}: {limit} tokens do not fit: the prompt has {len(prompt)} tokens and "
+                               f"this model's context is {self.context} (at most {room} more)", name,
+                               code="context_length_exceeded")
+        if limit is None:
+            limit = min(x for x in (default_tokens, room, FALLBACK_MAX_TOKENS) if x is not None)
+        return Job(prompt=prompt, max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
+                   seed=body.seed, stop=body.stop, end_ids=self.end_ids[template])
+
+
+def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app; its lifespan starts the scheduler thread and stops it at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    app = FastAPI(title="bitune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(api.APIError)
+    async def _api_error(request, e: api.APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        err = api.validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(404)
+    async def _not_found(request, e):
+        return JSONResponse(api.error_body(f"no route {request.method} {request.url.path}", code="not_found"), 404)
+
+    @app.exception_handler(405)
+    async def _not_allowed(request, e):
+        return JSONResponse(api.error_body(f"{request.method} is not allowed on {request.url.path}",
+                                           code="method_not_allowed"), 405)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                            "owned_by": "bitune"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: api.ChatRequest, request: Request):
+        _check_model(body.model)
+        body.check()
+        job = served.job(body, served.chat_prompt(body.turns()), None, served.template)
+        rid, name = api.new_id("chatcmpl"), served.name
+        if body.stream:
+            return _stream(request, job, body.include_usage,
+                           opening=api.chat_chunk(rid, name, {"role": "assistant", "content": ""}),
+                           chunk=lambda text, finish: api.chat_chunk(rid, name, {"content": text} if text else {},
+                                                                     finish),
+                           usage_chunk=lambda used: api.chat_chunk(rid, name, None, used=used))
+        text, finish, used = await _collect(request, job)
+        return api.chat_response(rid, name, text, finish, used)
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        _check_model(body.model)
+        body.check()
+        job = served.job(body, served.completion_prompt(body.prompt), COMPLETION_DEFAULT_TOKENS, "none")
+        rid, name = api.new_id("cmpl"), served.name
+        if body.stream:
+            return _stream(request, job, body.include_usage, opening=None,
+                           chunk=lambda text, finish: api.completion_chunk(rid, name, text, finish),
+                           usage_chunk=lambda used: api.completion_chunk(rid, name, None, used=used))
+        text, finish, used = await _collect(request, job)
+        return api.completion_response(rid, name, text, finish, used)
+
+    def _check_model(name: str) -> None:
+        if name != served.name:
+            raise api.APIError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
+                               "model", code="model_not_found")
+
+    def _submit(job: Job) -> asyncio.Queue:
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def emit(event):  # called from the scheduler thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: nobody listens any more
+                job.cancel()
+
+        job.emit = emit
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise api.APIError(503, f"the server is busy: {e}; retry later", type="server_error",
+                               code="queue_full") from e
+        return queue
+
+    async def _collect(request: Request, job: Job):
+        queue = _submit(job)
+        parts = []
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        raise api.APIError(499, "the client closed the request") from None
+                    continue
+                if event[0] == "text":
+                    parts.append(event[1])
+                elif event[0] == "end":
+                    return "".join(parts), event[1], api.usage(event[2], event[3])
+                else:
+                    raise api.APIError(500, event[1], type="server_error", code="generation_failed")
+        finally:
+            job.cancel()  # no-op once the job ended; a cancelled handler frees the row
+
+    def _stream(request: Request, job: Job, include_usage: bool, opening, chunk, usage_chunk) -> StreamingResponse:
+        """Server-sent events: ``opening`` (if any), one ``chunk(text, None)`` per text delta, ``chunk("", finish)``,
+        the ``usage_chunk`` if asked for, ``data: [DONE]``."""
+        queue = _submit(job)
+
+        def sse(obj) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        async def events():
+            try:
+                if opening is not None:
+                    yield sse(opening)
+                while True:
+                    try:
+                        event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                    if event[0] == "text":
+                        yield sse(chunk(event[1], None))
+                    elif event[0] == "end":
+                        yield sse(chunk("", event[1]))
+                        if include_usage:
+                            yield sse(usage_chunk(api.usage(event[2], event[3])))
+                        break
+                    else:
+                        yield sse(api.error_body(event[1], type="server_error", code="generation_failed"))
+                        break
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return Gate(app, api_key, max_body_bytes)
+
+
+class Gate:
+    """ASGI middleware in front of the app: the API key (``/v1/*``; ``/health`` stays open), then the body size,
+    both checked before the body is parsed.
+
+    Args:
+        api_key: the key clients send as ``Authorization: Bearer KEY``; None accepts every request.
+        max_body_bytes: larger request bodies are answered 413 (also when sent without a Content-Length).
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                what = "no API key given (send Authorization: Bearer KEY)" if not given else "incorrect API key"
+                return await _send_error(send, 401, api.error_body(what, code="invalid_api_key"))
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return await _send_error(send, 413, self._too_large())
+        chunks, size = [], 0
+        while True:  # read the whole body first (never more than the limit)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await _send_error(send, 413, self._too_large())
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> dict:
+        return api.error_body(f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large")
+
+
+async def _send_error(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+__all__ = ["Served", "create_app", "Gate", "MAX_BODY_BYTES"]

@@ -1,0 +1,226 @@
+"""The HTTP shapes of ``bitune serve``: OpenAI request bodies (pydantic, strict), the OpenAI error object and the
+response and stream-chunk objects. No model code here.
+
+A request field the server does not implement is refused with a 400 that names it (never silently ignored):
+unknown fields, ``n`` other than 1, ``logprobs``, non-zero penalties, batched prompts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOPS = 4
+"""Stop strings per request (OpenAI's limit)."""
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error object ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the field of the first of pydantic's/FastAPI's validation ``errors``."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ())][1:]  # drop "body"
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
+                        code="invalid_json")
+    parts = []
+    for x in loc:
+        if x.isdigit():
+            parts.append(f"[{x}]")
+        elif x.isidentifier() and x not in _TYPE_TAGS:  # pydantic names the union member it tried: skip it
+            parts.append(("." if parts else "") + x)
+    param = "".join(parts) or None
+    kind = e.get("type", "")
+    if kind == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param} (not supported by this server)",
+                        param, code="unsupported_parameter")
+    if kind == "missing":
+        return APIError(400, f"{param}: this field is required", param, code="missing_required_parameter")
+    if not param:
+        return APIError(400, f"the body must be a JSON object ({e.get('msg')})", code="invalid_body")
+    return APIError(400, f"{param}: {e.get('msg', 'invalid value').removeprefix('Value error, ')}", param,
+                    code="invalid_value")
+
+
+# --------------------------------------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    """A text part of a message's content (OpenAI's content-part list); other part types are refused."""
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    """Send one last chunk with the usage (and no choices) before ``data: [DONE]``."""
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    """Cap on generated tokens (prompt + answer must fit the model's context); default: see each endpoint."""
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    """0 is greedy; default 1, as OpenAI's."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
+    """Seeds this request's own sampler: the same seeded request gives the same text, alone or among others."""
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        if v != 0:
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    def check(self) -> None:
+        """Checks across fields; raises :class:`APIError` naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: Literal[False] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.messages[-1].role != "user":
+            raise APIError(400, f"messages[{len(self.messages) - 1}].role: the last message must be the user's",
+                           f"messages[{len(self.messages) - 1}].role")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise APIError(400, "max_completion_tokens: disagrees with max_tokens; give one", "max_completion_tokens")
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def turns(self) -> list[dict[str, str]]:
+        """The messages as ``{"role", "content"}`` dicts (``developer`` read as ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, text or token ids, taken as given."""
+
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+    logprobs: None = None
+    echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (a list of prompts is not supported)")
+            return v[0]
+        return v
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+# --------------------------------------------------------------------------------------------------- responses
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(id: str, model: str, text: str, finish: str, used: dict) -> dict:
+    return {"id": id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}], "usage": used}
+
+
+def chat_chunk(id: str, model: str, delta: dict | None, finish: str | None = None, used: dict | None = None) -> dict:
+    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": used}
+
+
+def completion_response(id: str, model: str, text: str, finish: str, used: dict) -> dict:
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": used}
+
+
+def completion_chunk(id: str, model: str, text: str | None, finish: str | None = None,
+                     used: dict | None = None) -> dict:
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": used}

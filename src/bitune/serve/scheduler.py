@@ -1,0 +1,224 @@
+"""Continuous (iteration-level) batching: one thread owns the model and decodes every running request together.
+
+Between two decoding steps the scheduler admits waiting requests: their prompts are read together (one
+:meth:`~bitune.model.BituneModel.prefill` over the left-padded batch: both prompt passes, mixed) and their rows
+join the running batch (:meth:`~bitune.passes.Prefill.concat`). Each step
+(:meth:`~bitune.model.BituneModel.decode_step`, the causal weights on the mixed cache, as ``generate`` decodes)
+picks every row's next token with that row's own sampling settings and generator. A row leaves the batch
+(:meth:`~bitune.passes.Prefill.select`) the step it ends: an end-of-answer token, a stop string, its token
+budget, or its client gone. The model code is the library's; this module only decides which rows run when.
+
+Requests talk to the scheduler through a :class:`Job`: the HTTP side fills in what to generate and an ``emit``
+callback (thread-safe), the scheduler calls ``emit`` with events: ``("text", delta)``, then
+``("end", finish_reason, prompt_tokens, completion_tokens)`` or ``("error", message)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import TopPLogitsWarper
+
+from ..data.collate import pad_id
+from ..generation import StopText, pad_prompts
+from ..passes import Prefill
+
+log = logging.getLogger("bitune.serve")
+
+
+class QueueFull(Exception):
+    """More requests wait than the queue holds (``--max-queue``), or the scheduler is shutting down."""
+
+
+@dataclass
+class Job:
+    """One request: what to generate and where its events go.
+
+    Attributes:
+        prompt: the prompt's token ids (at least 2).
+        max_tokens: cap on generated tokens (the caller checked that prompt + answer fit the model).
+        temperature: 0 is greedy; else softmax(logits / temperature) is sampled.
+        top_p: nucleus mass kept when sampling (transformers' ``TopPLogitsWarper``).
+        seed: seeds this request's own generator (None: a random seed).
+        stop: stop strings; the text is cut before the first one, which is never sent.
+        emit: called from the scheduler thread with each event (see the module docstring).
+        end_ids: token ids that end the answer (eos, end of turn).
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    emit: Callable[[tuple], None] = lambda event: None
+    end_ids: frozenset[int] = frozenset()
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        """The client is gone: the row leaves the batch at the next step (or is never admitted)."""
+        self.cancelled = True
+
+
+class _Row:
+    """A job in the running batch: its sampler and its text so far."""
+
+    def __init__(self, job: Job, tokenizer, device):
+        self.job = job
+        self.tokenizer = tokenizer
+        self.text = StopText(job.stop)
+        self.generator = None
+        if job.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if job.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(job.seed % 2**64)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token from (V,) logits: argmax when greedy, else a draw from this row's generator."""
+        if self.generator is None:
+            return int(logits.argmax())
+        scores = logits.float()[None] / self.job.temperature  # (1, V)
+        if self.job.top_p < 1.0:
+            scores = TopPLogitsWarper(self.job.top_p)(None, scores)
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
+
+    def add(self, token: int) -> str | None:
+        """Take the next token, send the text it makes visible; returns the finish reason once the row ends."""
+        job = self.job
+        job.tokens.append(token)
+        ended = token in job.end_ids
+        ids = job.tokens[:-1] if ended else job.tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        done = ended or len(job.tokens) >= job.max_tokens
+        delta = self.text.update(text if done else text.rstrip("\ufffd"), end=done)  # hold a partial character
+        if delta:
+            job.emit(("text", delta))
+        if ended or self.text.stopped:
+            return "stop"
+        return "length" if done else None
+
+
+class Scheduler:
+    """The model's one thread: a bounded queue of waiting jobs and the running decode batch.
+
+    Args:
+        model: a :class:`~bitune.model.BituneModel` in eval mode.
+        tokenizer: its tokenizer.
+        max_batch_size: rows decoded together at most.
+        max_queue: jobs waiting for a row at most; :meth:`submit` refuses more.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64):
+        if max_batch_size < 1 or max_queue < 0:
+            raise ValueError("max_batch_size must be >= 1 and max_queue >= 0")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.device = next(model.parameters()).device
+        self.pad = pad_id(tokenizer)
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._rows: list[_Row] = []
+        self._state: Prefill | None = None
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="bitune-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------------------------------- outside
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises :class:`QueueFull` past ``max_queue`` waiting jobs or while shutting down."""
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (--max-queue {self.max_queue})")
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Finish the step under way, end every job left with an error event, and stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    # ------------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not (self._waiting or self._rows or self._closing):
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    admit = []
+                    while self._waiting and len(self._rows) + len(admit) < self.max_batch_size:
+                        job = self._waiting.popleft()
+                        if not job.cancelled:
+                            admit.append(job)
+                if admit:
+                    self._admit(admit)
+                if self._rows:
+                    self._step()
+        for job in [*self._waiting, *(r.job for r in self._rows)]:
+            job.emit(("error", "the server shut down before the answer was complete"))
+        self._waiting.clear()
+        self._rows, self._state = [], None
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Read the new prompts together and join their rows to the running batch."""
+        try:
+            ids, mask = pad_prompts([j.prompt for j in jobs], self.pad, self.device)  # (n, P)
+            new = self.model.prefill(ids, mask)
+        except Exception as e:  # a failing prompt must not take the running rows down
+            log.exception("prefill failed")
+            for job in jobs:
+                job.emit(("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
+            return
+        self._state = new if self._state is None else Prefill.concat([self._state, new])
+        self._rows += [_Row(j, self.tokenizer, self.device) for j in jobs]
+
+    def _step(self) -> None:
+        """One decoding step of every running row; rows that end leave the batch."""
+        picked: list[int] = []
+
+        def pick(logits: torch.Tensor) -> torch.Tensor:  # (B, V) -> (B,)
+            picked.extend(row.pick(x) for row, x in zip(self._rows, logits))
+            return torch.tensor(picked, device=logits.device)
+
+        try:
+            self._state = self.model.decode_step(self._state, pick)
+        except Exception as e:
+            log.exception("decoding step failed")
+            for row in self._rows:
+                row.job.emit(("error", f"decoding failed: {type(e).__name__}: {e}"))
+            self._rows, self._state = [], None
+            return
+        keep = []
+        for i, (row, token) in enumerate(zip(self._rows, picked)):
+            finish = None if row.job.cancelled else row.add(token)
+            if finish is not None:
+                row.job.emit(("end", finish, len(row.job.prompt), len(row.job.tokens)))
+            elif not row.job.cancelled:
+                keep.append(i)
+        if len(keep) < len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            self._state = self._state.select(torch.tensor(keep, device=self.device)).trimmed() if keep else None

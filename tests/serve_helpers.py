@@ -1,0 +1,80 @@
+"""A ``bitune serve`` app on 127.0.0.1 at a free port, run by uvicorn in a background thread and stopped by the
+test; and greedy references computed with the library directly."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+
+from bitune.checkpoint import load_bitune
+from bitune.generation import pick_template
+from bitune.serve.app import Served, create_app
+from bitune.serve.scheduler import Scheduler
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(checkpoint=None, model=None, api_key=None, max_batch_size=16, max_queue=64, max_body_bytes=1 << 20,
+            name="tiny"):
+    """Yields ``(base_url, scheduler, served)``; the server is stopped on exit."""
+    import uvicorn
+
+    bitune, tokenizer = load_bitune(str(checkpoint) if checkpoint else None, model, device="cpu")
+    template, _ = pick_template(bitune, tokenizer)
+    served = Served(bitune, tokenizer, name, template)
+    scheduler = Scheduler(bitune, tokenizer, max_batch_size, max_queue)
+    app = create_app(served, scheduler, api_key, max_body_bytes)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", scheduler, served
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "the test server did not stop"
+
+
+def greedy_tokens(model, ids: list[int], end_ids, n: int) -> list[int]:
+    """The greedy answer ``BituneModel.generate`` (what ``bitune generate`` runs) gives, up to and including the
+    first end token."""
+    x = torch.tensor([ids])
+    new = model.generate(x, torch.ones_like(x), max_new_tokens=n, eos_token_id=list(end_ids), pad_token_id=0)[0]
+    out = []
+    for t in new.tolist():
+        out.append(t)
+        if t in end_ids:
+            break
+    return out
+
+
+def http(url: str, body: bytes | dict | None = None, headers: dict | None = None, method: str | None = None):
+    """``(status, parsed JSON body)`` of one raw request (standard library only: bodies no client would send)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")

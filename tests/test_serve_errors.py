@@ -1,0 +1,180 @@
+"""Bad requests never take ``bitune serve`` down: each gets a 4xx OpenAI error object naming the field, and the
+server keeps answering; the API key, the queue bound, disconnects, the exposure warning, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from gen_helpers import save_checkpoint
+from serve_helpers import free_port, http, serving
+
+from bitune.cli import main
+from bitune.commands.serve import exposure_warning
+
+openai = pytest.importorskip("openai")
+USER = [{"role": "user", "content": "hi"}]
+OK = {"model": "tiny", "messages": USER, "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("serve-err"), chat_template=True)[0]
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with serving(ckpt, max_body_bytes=4096) as running:
+        yield running
+
+
+BAD = [  # (path, body, status, param)
+    ("chat/completions", b'{"model": "tiny", "messages": [', 400, None),
+    ("chat/completions", b"[1, 2]", 400, None),
+    ("chat/completions", {"messages": USER}, 400, "model"),
+    ("chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("chat/completions", {**OK, "messages": [*USER, {"role": "assistant", "content": "x"}]}, 400, "messages[1].role"),
+    ("chat/completions", {**OK, "max_tokens": -1}, 400, "max_tokens"),
+    ("chat/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("chat/completions", {**OK, "max_tokens": 10**12}, 400, "max_tokens"),
+    ("chat/completions", {**OK, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
+    ("chat/completions", {**OK, "temperature": 2.5}, 400, "temperature"),
+    ("chat/completions", {**OK, "temperature": -0.1}, 400, "temperature"),
+    ("chat/completions", {**OK, "top_p": 0}, 400, "top_p"),
+    ("chat/completions", {**OK, "top_p": 1.5}, 400, "top_p"),
+    ("chat/completions", {**OK, "n": 2}, 400, "n"),
+    ("chat/completions", {**OK, "stop": ["a", ""]}, 400, "stop"),
+    ("chat/completions", {**OK, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {**OK, "tools": []}, 400, "tools"),
+    ("chat/completions", {**OK, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat/completions", {**OK, "messages": [{"role": "user", "content": "why? " * 40}]}, 400, "messages"),
+    ("chat/completions", {**OK, "model": "gpt-4"}, 404, "model"),
+    ("completions", {"model": "tiny", "prompt": "ab " * 60}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [1, 9999]}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "a", "echo": True}, 400, "echo"),
+    ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_a_bad_request_gets_an_error_naming_the_field_and_the_server_keeps_serving(server, path, body, status,
+                                                                                   param):
+    url = server[0]
+    code, reply = http(f"{url}/v1/{path}", body)
+    assert code == status, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["message"]
+    assert reply["error"]["param"] == param
+    if param:
+        assert param.split("[")[0] in reply["error"]["message"]
+    assert http(f"{url}/v1/chat/completions", OK)[0] == 200
+
+
+def test_an_oversized_body_gets_413(server):
+    url = server[0]
+    code, reply = http(f"{url}/v1/chat/completions", {**OK, "messages": [{"role": "user", "content": "a" * 5000}]})
+    assert code == 413 and "4096 bytes" in reply["error"]["message"]
+    assert http(f"{url}/v1/chat/completions", OK)[0] == 200
+
+
+def test_unknown_route_and_method(server):
+    url = server[0]
+    assert http(f"{url}/v1/embeddings", OK)[0] == 404
+    assert http(f"{url}/v1/chat/completions")[0] == 405
+
+
+def test_api_key(ckpt):
+    with serving(ckpt, api_key="s3cret") as (url, _, _):
+        for key in ("wrong", None):
+            code, reply = http(f"{url}/v1/chat/completions", OK, {"Authorization": f"Bearer {key}"} if key else {})
+            assert code == 401 and reply["error"]["code"] == "invalid_api_key"
+        bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert good.chat.completions.create(**OK).usage.completion_tokens >= 1
+        assert http(f"{url}/health")[0] == 200  # health stays open
+
+
+def test_past_max_queue_a_request_gets_503_and_a_gone_client_frees_its_row(ckpt):
+    with serving(ckpt, max_batch_size=1, max_queue=1) as (url, scheduler, _):
+        step = scheduler.model.decode_step
+        scheduler.model.decode_step = lambda state, pick: (time.sleep(0.05), step(state, pick))[1]  # slow model
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        long = {**OK, "max_tokens": 100}
+        stream = client.chat.completions.create(**long, stream=True)
+        next(iter(stream))  # running
+        waiting = threading.Thread(target=lambda: client.chat.completions.create(**OK))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while scheduler.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(**OK)
+        assert refused.value.status_code == 503 and refused.value.body["code"] == "queue_full"
+        stream.close()  # the client goes away: its row leaves, the waiting request runs
+        waiting.join(20)
+        assert not waiting.is_alive()
+        scheduler.model.decode_step = step
+
+
+def test_exposure_warning():
+    assert exposure_warning("0.0.0.0", None) and exposure_warning("::", None) and exposure_warning("example.org", None)
+    assert exposure_warning("10.1.2.3", None) and "--api-key" in exposure_warning("10.1.2.3", None)
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_warning(host, None) is None
+    assert exposure_warning("0.0.0.0", "key") is None
+
+
+def test_the_cli_warns_before_loading_and_refuses_bad_flags(tmp_path, capsys):
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "without an API key" in err and "not a Bitune checkpoint" in err
+    assert main(["serve", "--checkpoint", str(tmp_path), "--max-batch-size", "0"]) == 2
+    assert "--max-batch-size 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_exits_within_seconds(ckpt):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bitune.cli", "serve", "--checkpoint", str(ckpt), "--port",
+                             str(port), "--device", "cpu", "--threads", "1", "--served-model-name", "tiny",
+                             "--drain-seconds", "3"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if http(f"{url}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        answer = {}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+        t = threading.Thread(target=lambda: answer.update(r=client.chat.completions.create(**{**OK, "max_tokens": 60})))
+        t.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        assert time.monotonic() - start < 10
+        t.join(10)
+        assert "r" in answer and answer["r"].usage.completion_tokens >= 1  # the answer under way was finished
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
