@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PhiConfig,
@@ -26,9 +28,10 @@ CONFIGS = {
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny models run fastest on one thread (two threads thrash on a busy 2-core machine)."""
+    """Tiny models run fastest on one thread (two threads thrash on a busy 2-core machine); an explicit
+    ``OMP_NUM_THREADS`` wins, so a run can check that results hold with another thread split of the kernels."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     yield
     torch.set_num_threads(before)
 

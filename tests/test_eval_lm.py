@@ -10,6 +10,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from bitune import BituneConfig, BituneModel  # noqa: E402
+from bitune.errors import BituneError  # noqa: E402
 from bitune.eval.lm import BituneLM  # noqa: E402
 from conftest import perturb_adapters, tiny_model  # noqa: E402
 from eval_helpers import tiny_tokenizer  # noqa: E402
@@ -130,3 +131,18 @@ def test_generate_until_stops_and_matches_greedy_decoding(variant):
     if stop:
         cut = lm.generate_until([Instance("generate_until", {}, (prompts[0], stop), 0)], disable_tqdm=True)
         assert cut == [""]
+
+
+def test_generation_stays_within_the_models_positions():
+    """max_length past the model's positions is refused; a long prompt is cut so prompt + max_gen_toks fit."""
+    tok, model = tiny_tokenizer(), bitune_model("bitune")
+    with pytest.raises(BituneError, match="max_length=129 exceeds the model's 128 positions"):
+        BituneLM(model=model, tokenizer=tok, max_length=129)
+    lm = BituneLM(model=model, tokenizer=tok, max_length=40)
+    seen = []
+    real = model.generate
+    model.generate = lambda ids, mask, **kw: seen.append((int(mask.sum(1).max()), kw["max_new_tokens"])) or real(
+        ids, mask, **kw)
+    gen = {"until": ["Question:"], "max_gen_toks": 30, "do_sample": False}
+    lm.generate_until([Instance("generate_until", {}, ("long context " * 20, gen), 0)], disable_tqdm=True)
+    assert seen == [(10, 30)]  # the prompt cut to 40 - 30 tokens

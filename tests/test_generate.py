@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from gen_helpers import save_checkpoint, tiny_bitune
 from bitune.cli import main
 from bitune.data.collate import tokenize_example
 from bitune.data.templates import instruction_example
-from bitune.generation import encode, generate_texts, render
+from bitune.errors import BituneError
+from bitune.generation import encode, generate_texts, max_new_tokens_for, render
 
 PROMPTS = ["what is 2+2?", "name a color.", "hi"]
 
@@ -107,3 +109,47 @@ def test_user_errors_exit_2_with_one_line(saved, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("bitune generate: error:"), err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+# --------------------------------------------------------------------------------------------------- the model's context
+def _short_context(model, positions: int = 16):
+    model.text_config.max_position_embeddings = positions  # the base model's config: what every path reads
+    return model
+
+
+def test_max_new_tokens_is_capped_at_the_models_positions():
+    model = _short_context(tiny_bitune())
+    assert max_new_tokens_for(model, 5, 100) == 11 and max_new_tokens_for(model, 5, 3) == 3
+    with pytest.raises(BituneError, match="the prompt has 16 tokens, the model reads at most 16 positions"):
+        max_new_tokens_for(model, 16, 1)
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a shorter second row: the longest row decides
+    new = model.generate(ids, mask, max_new_tokens=100000, eos_token_id=None, pad_token_id=0)  # (2, N)
+    assert new.shape == (2, 11)  # prompt + answer = 16 positions, never past them
+    with pytest.raises(BituneError, match="the prompt has 16 tokens"):
+        model.generate(torch.ones(1, 16, dtype=torch.long) + 2, torch.ones(1, 16, dtype=torch.long))
+
+
+def test_a_conversation_is_capped_at_the_models_positions():
+    model = _short_context(tiny_bitune(), 20)
+    p1, p2 = torch.full((1, 5), 7), torch.full((1, 4), 9)
+    opts = dict(max_new_tokens=1000, eos_token_id=None, pad_token_id=0, return_state=True)
+    new1, state = model.generate(p1, torch.ones_like(p1), **dict(opts, max_new_tokens=3))
+    new2, _ = model.generate(p2, torch.ones_like(p2), past=state, **opts)
+    assert 5 + 3 + 4 + new2.shape[1] == 20
+    with pytest.raises(BituneError, match="the conversation has"):
+        model.generate(torch.full((1, 12), 9), torch.ones(1, 12, dtype=torch.long), past=state, **opts)
+
+
+def test_cli_generate_and_chat_cap_at_the_models_positions_and_say_so(tmp_path, monkeypatch, capsys):
+    ckpt, _ = save_checkpoint(tmp_path)
+    config = tmp_path / "base" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_position_embeddings": 40}))
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "100000"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "capped" in line]
+    assert len(notes) == 1 and "capped at 18 new tokens (the model's maximum position is 40)" in notes[0], notes
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", "--checkpoint", str(ckpt), "--max-new-tokens", "100000"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "capped" in line]
+    assert len(notes) == 1 and "the conversation (/reset clears it) has" in notes[0], notes

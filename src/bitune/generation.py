@@ -19,6 +19,7 @@ from .data.collate import pad_id, pad_rows
 from .data.conversations import end_of_turn_id
 from .data.templates import instruction_example
 from .errors import BituneError
+from .inputs import context_room
 
 
 # --------------------------------------------------------------------------------------------------- prompts
@@ -203,21 +204,23 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
     return answers
 
 
-def answer_room(model, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> int:
-    """``max_new_tokens``, capped (with a note on stderr) so that prompt + answer fit the model's maximum
-    position.
+def max_new_tokens_for(model, prompt_tokens: int, requested: int, what: str = "the prompt") -> int:
+    """The new tokens a prompt of ``prompt_tokens`` tokens may get: ``requested``, capped at the model's maximum
+    position (prompt + answer). Below ``requested`` means capped: tell the user (``bitune generate`` and ``chat``
+    print one line, see :func:`answer_room`). :meth:`BituneModel.generate <bitune.model.BituneModel.generate>`
+    applies the same cap itself, so no caller decodes past the model's positions.
 
     Raises:
         BituneError: the prompt alone reaches the maximum position (names ``what``, its length and the limit).
     """
-    limit = getattr(model.text_config, "max_position_embeddings", None)
-    if not isinstance(limit, int):
-        return max_new_tokens
-    if prompt_tokens >= limit:
-        raise BituneError(f"{what} has {prompt_tokens} tokens, the model reads at most {limit} positions "
-                          "(prompt + answer); shorten it")
-    if prompt_tokens + max_new_tokens > limit:
-        print(f"bitune: {what} has {prompt_tokens} tokens: its answer is capped at {limit - prompt_tokens} new "
-              f"tokens (the model's maximum position is {limit})", file=sys.stderr)
-        return limit - prompt_tokens
-    return max_new_tokens
+    return context_room(model.text_config, prompt_tokens, requested, what)
+
+
+def answer_room(model, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> int:
+    """:func:`max_new_tokens_for`, with one line on stderr when the answer is capped."""
+    room = max_new_tokens_for(model, prompt_tokens, max_new_tokens, what)
+    if room < max_new_tokens:
+        limit = model.text_config.max_position_embeddings
+        print(f"bitune: {what} has {prompt_tokens} tokens: its answer is capped at {room} new tokens (the model's "
+              f"maximum position is {limit})", file=sys.stderr)
+    return room

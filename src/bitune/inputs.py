@@ -1,10 +1,13 @@
-"""Checks of what a :class:`~bitune.model.BituneModel` is given: the wrapped model, and batches of left-padded
-prompts and right-padded answers. Each raises a ``ValueError`` that names the problem."""
+"""Checks of what a :class:`~bitune.model.BituneModel` is given: the wrapped model, batches of left-padded
+prompts and right-padded answers, and room for generated tokens. Each raises a ``ValueError`` that names the
+problem."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .errors import BituneError
 
 
 def check_ids(model: nn.Module, *ids: torch.Tensor) -> None:
@@ -55,3 +58,19 @@ def check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask
         raise ValueError("every answer needs at least one real token (right-padded answer_mask)")
     if (answer_mask.diff(dim=1) > 0).any():
         raise ValueError("answers must be right-padded: answer_mask must be 1...1 0...0 in every row")
+
+
+def context_room(text_config, prompt_tokens: int, requested: int, what: str = "the prompt") -> int:
+    """New tokens that fit after ``prompt_tokens``: ``requested``, capped so that prompt + answer stay within the
+    model's ``max_position_embeddings`` (uncapped when the config names no limit).
+
+    Raises:
+        BituneError: the prompt alone fills the model's positions (names ``what``, its length and the limit).
+    """
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return requested
+    if prompt_tokens >= limit:
+        raise BituneError(f"{what} has {prompt_tokens} tokens, the model reads at most {limit} positions "
+                          "(prompt + answer); shorten it")
+    return min(requested, limit - prompt_tokens)

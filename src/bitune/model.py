@@ -31,7 +31,7 @@ from . import cache as kv
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .fused import fused_logits
-from .inputs import check_answer, check_architecture, check_ids, check_prompt
+from .inputs import check_answer, check_architecture, check_ids, check_prompt, context_room
 from .masks import position_ids
 from .mixer import Mixer
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
@@ -246,7 +246,9 @@ class BituneModel(nn.Module):
         Args:
             prompt_ids: (B, P) left-padded prompts.
             prompt_mask: (B, P) 1 for real tokens.
-            max_new_tokens: upper bound on generated tokens.
+            max_new_tokens: upper bound on generated tokens; capped so that no row passes the model's maximum
+                position (``max_position_embeddings``; :func:`bitune.generation.max_new_tokens_for` says how
+                many fit, so a caller can tell the user).
             tokenizer: needed for ``stop_strings``.
             stop_strings: stop a row once its text ends with one of these.
             past: conversation state to continue (see :meth:`prefill`).
@@ -255,9 +257,17 @@ class BituneModel(nn.Module):
         Returns:
             (B, N) the generated tokens only, padded with the pad token after a row stops; with
             ``return_state``, the pair (tokens, state).
+
+        Raises:
+            BituneError: a prompt (with ``past``, the conversation) fills the model's positions already.
         """
         if stop_strings and tokenizer is None:
             raise ValueError("generate(stop_strings=...) needs tokenizer=")
+        check_prompt(prompt_ids, prompt_mask)
+        held = past.mask.sum(1) + 1 if past is not None else 0  # (B,) a conversation's positions + its last token
+        longest = int((prompt_mask.sum(1) + held).max())  # positions of the longest row before the answer
+        max_new_tokens = context_room(self.text_config, longest, max_new_tokens,
+                                      "the conversation" if past is not None else "the prompt")
         pre = self.prefill(prompt_ids, prompt_mask, past)
         if stop_strings:
             generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)

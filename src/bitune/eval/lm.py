@@ -76,7 +76,11 @@ class BituneLM(TemplateLM):
         self._batch_size = int(batch_size)
         if self._batch_size < 1:
             raise BituneError(f"batch_size must be >= 1, got {batch_size}")
-        self._max_length = int(max_length) if max_length else model.text_config.max_position_embeddings
+        positions = model.text_config.max_position_embeddings
+        self._max_length = int(max_length) if max_length else positions
+        if self._max_length > positions:  # scoring or generating past them reads positions the model never saw
+            raise BituneError(f"max_length={self._max_length} exceeds the model's {positions} positions; "
+                              f"use max_length <= {positions}")
         self._max_gen_toks = int(max_gen_toks)
         self._pad = pad_id(tokenizer)
 
