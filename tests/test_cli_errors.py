@@ -202,3 +202,16 @@ def test_eval_silences_lm_eval_noise_outside_a_git_checkout(tmp_path, monkeypatc
     assert "fatal" not in capfd.readouterr().err
     assert [r.getMessage() for r in caplog.records] == ["a warning of substance"]
     assert evaluator.get_git_commit_hash.__module__ == "lm_eval.loggers.utils"  # restored afterwards
+
+
+@pytest.mark.parametrize("argv, prog", [
+    (["nosuchverb"], "bitune"), (["generate", "--prompt", "x"], "bitune generate"),  # --checkpoint/--model missing
+    (["train", "--num-processes", "x"], "bitune train"), (["eval", "--bogus"], "bitune eval"),
+    (["plot"], "bitune plot"), (["bench", "nope"], "bitune bench"), (["plot", "mixing"], "bitune plot mixing")])
+def test_a_bad_command_line_is_one_line_with_help_advice(argv, prog, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err
+    assert err.startswith(f"{prog}: error: ") and err.endswith(f"; see {prog} --help\n"), err

@@ -3,7 +3,8 @@
 A verb module exposes ``HELP`` (one line), ``configure(parser)`` and ``run(args) -> int``; modules are
 imported only when their verb runs, so ``bitune --help`` stays fast. :func:`main` is the one error boundary:
 a user error (bad name or value, malformed or undecodable data, a path that cannot be written, a corrupt
-checkpoint) prints one ``bitune VERB: error: ...`` line and exits with status 2; any other exception prints
+checkpoint; and a bad command line, see :class:`~bitune.commands.options.ArgumentParser`) prints one
+``bitune VERB: error: ...`` line and exits with status 2; any other exception prints
 one line pointing at ``--debug`` (which shows the traceback) and exits with status 1.
 """
 
@@ -13,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from .commands.options import HelpFormatter
+from .commands.options import ArgumentParser, HelpFormatter
 from .errors import BituneError
 
 VERBS: dict[str, tuple[str, str]] = {
@@ -44,7 +45,7 @@ def set_threads(threads: int | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bitune", description="Bitune: bidirectional instruction-tuning "
+    parser = ArgumentParser(prog="bitune", description="Bitune: bidirectional instruction-tuning "
                                      "for decoder-only LLMs.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="verb", metavar="VERB")

@@ -1,4 +1,5 @@
-"""Options and help formatting shared by the verbs: the help formatter, ``--threads``, ``--prompt-passes``,
+"""Options and help formatting shared by the verbs: the parser (one-line errors), the help formatter, ``--threads``,
+``--prompt-passes``,
 the model options (``--checkpoint``/``--model``/...) and the decoding options of ``generate``, ``chat`` and
 ``plot attention``."""
 
@@ -7,9 +8,21 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+from typing import NoReturn
 
 from ..config import PROMPT_PASSES
 from ..errors import BituneError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with the CLI's error format: a bad command line prints one ``PROG: error: ...`` line
+    that says where the help is (no usage block) and exits with status 2, like every other user error.
+
+    Sub-parsers (the verbs, ``plot``'s figures, ``bench``'s targets) are made of the same class.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -22,6 +22,7 @@ import torch
 from lm_eval.models.huggingface import HFLM
 
 from ..checkpoint import load_bitune
+from ..commands.options import ArgumentParser
 from ..config import BituneConfig
 from ..hub import DEFAULT_MODEL
 from ..model import BituneModel
@@ -69,7 +70,7 @@ def bench(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bitune.eval.bench_eval", description=__doc__,
+    parser = ArgumentParser(prog="python -m bitune.eval.bench_eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--task", default="piqa")
