@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from dist_helpers import Interrupt
+from gen_helpers import save_checkpoint
 from test_train import make_trainer, read_log
 from transformers import TrainerCallback
 
+from bitune.cli import main
 from bitune.errors import BituneError
 from bitune.train.run_folder import run_lock
 from bitune.train.trainer import LOG_FILE, checkpoints, run_training
@@ -149,3 +152,41 @@ def test_resumed_run_reports_the_loss_over_all_its_steps(tmp_path):
     assert len(summary) == 1 and summary[0]["train_loss"] == pytest.approx(expected, rel=1e-6)
     # the checkpoint step is logged, though log_every is 4; the lines after it were replaced, not duplicated
     assert [r["step"] for r in read_log(tmp_path / "b" / "run") if "loss" in r] == [3, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory):
+    """A tiny base model + tokenizer (no chat template) on disk, as ``bitune train`` loads a local model."""
+    root = tmp_path_factory.mktemp("start")
+    save_checkpoint(root)
+    return root / "base"
+
+
+@pytest.mark.parametrize("case", ["unknown_model", "no_example_fits", "chat_data_without_template",
+                                  "max_length_past_positions"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_start_leaves_nothing_it_created(tmp_path, base_folder, capsys, case, existing):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"instruction": "say hi", "output": "hi there"}\n' if case != "chat_data_without_template" else
+                    '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n')
+    opts = {"model": str(base_folder), "dataset": str(data), "max_length": 64, "steps": 1}
+    opts.update({"unknown_model": {"model": str(tmp_path / "no-such-model")}, "no_example_fits": {"max_length": 4},
+                 "max_length_past_positions": {"max_length": 1000}}.get(case, {}))
+    out = tmp_path / "runs" / "a" / "run"  # two parent folders made by the start, removed with it
+    if existing:
+        out.mkdir(parents=True)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**opts, "output_dir": str(out)}))
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # progress bars of the model loading, then the error
+    assert err[-1].startswith("bitune train: error:") and sum("error" in line for line in err) == 1, err
+    if existing:
+        assert out.is_dir() and not any(out.iterdir())  # the folder was there: kept, and left empty
+    else:
+        assert not (tmp_path / "runs").exists()
+    opts.update(model=str(base_folder), max_length=64, dataset=str(data))
+    if case == "chat_data_without_template":
+        data.write_text('{"instruction": "say hi", "output": "hi there"}\n')
+    config.write_text(yaml.safe_dump({**opts, "output_dir": str(out)}))
+    assert main(["train", "--config", str(config)]) == 0  # the folder takes a run as if nothing had happened
+    assert (out / "final" / "bitune_config.json").is_file()

@@ -7,7 +7,6 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from .. import config
 from ..config import BituneConfig
@@ -15,7 +14,6 @@ from ..data.datasets import DATASETS
 from ..errors import BituneError
 from ..files import check_output_dir
 from ..hub import BUILTIN_MODELS
-from ..train.run_folder import check_run_folder, run_lock
 from ..train.settings import TrainSettings, field_docs, load_settings
 from .options import HelpFormatter, add_threads_option
 
@@ -91,11 +89,9 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
-    check_run_folder(Path(settings.output_dir), settings, args.resume, args.overwrite)  # before creating anything
-    with run_lock(settings.output_dir):  # held by the main process for the whole run; a second job stops here
-        from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
+    from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
 
-        train(settings, resume=args.resume, overwrite=args.overwrite)
+    train(settings, resume=args.resume, overwrite=args.overwrite)  # takes the run folder first (start_run)
     return 0
 
 

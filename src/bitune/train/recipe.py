@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import transformers
 
@@ -15,7 +14,7 @@ from ..errors import BituneError
 from ..hub import load_model
 from ..model import BituneModel
 from .settings import TrainSettings
-from .run_folder import prepare_output_dir, run_lock
+from .run_folder import RunStart, start_run
 from .trainer import TrainResult, build_trainer, run_training
 
 
@@ -52,16 +51,14 @@ def train(settings: TrainSettings, resume: bool = False, say: Callable[[str], No
         BituneError: unknown model or dataset, empty split, max_length beyond the model's positions, a run
             folder that would be overwritten or is in use, a corrupt checkpoint, a diverged run.
     """
-    with run_lock(settings.output_dir):  # the main process holds the run folder from the first check to the end
-        return _train(settings, resume, say, overwrite)
-
-
-def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], overwrite: bool) -> TrainResult:
     if settings.bitune.variant == "pretrained":
         raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
-    if int(os.environ.get("RANK", "0")) != 0:
-        say = _silent  # one process of a multi-process job reports
-    prepare_output_dir(Path(settings.output_dir), settings, resume, write=False, overwrite=overwrite)  # fail early
+    main = int(os.environ.get("RANK", "0")) == 0
+    with start_run(settings.output_dir, settings, resume, overwrite, main) as run:  # held to the end of the run
+        return _train(settings, run, say if main else _silent)  # one process of a multi-process job reports
+
+
+def _train(settings: TrainSettings, run: RunStart, say: Callable[[str], None]) -> TrainResult:
     base, tokenizer = load_model(settings.model)
     check_max_length(settings.max_length, base.config, settings.model)
     train_data, dropped = load_data(settings, tokenizer, settings.train_split, settings.limit, say)
@@ -74,7 +71,7 @@ def _train(settings: TrainSettings, resume: bool, say: Callable[[str], None], ov
     say(f"bitune train: {config.template} template (the format of {settings.dataset}; recorded in the checkpoint)")
     model = BituneModel.wrap(base, config, prompt_passes=settings.prompt_passes)
     trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)))
-    result = run_training(trainer, settings, resume, overwrite=overwrite, first_log={
+    result = run_training(trainer, settings, run.resume, overwrite=run.overwrite, run=run, first_log={
         "event": "data", "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
         "eval_examples": len(eval_data) if eval_data is not None else 0})
     loss = result.metrics.get("train_loss", result.metrics.get("train_loss_since_resume", float("nan")))

@@ -1,10 +1,13 @@
 """The run folder of ``bitune train``: what it holds, whether this run may write into it, its log and its lock.
 
-A fresh run refuses a folder that already holds a run, ``--resume`` refuses a folder with nothing to resume
-or a finished run, and only ``--overwrite`` lets a run replace what is there. While a run trains, its main
-process holds an exclusive ``flock`` on ``run.lock`` in the folder: a second ``bitune train`` on the same
-folder stops at once with an error. The operating system drops the lock when the process ends, however it
-ends (exit, crash, ``kill -9``), so a lock is never stale. Light: no torch, so the CLI checks before loading.
+:func:`start_run` is the one place a run takes its folder, where the run starts: it locks the folder, checks it
+once against this run and, if the start fails before the run has written anything (an unknown model, no example
+that fits, ...), removes what the start created (the lock file, the folder). A fresh run refuses a folder that
+already holds a run, ``--resume`` refuses a folder with nothing to resume or a finished run, and only
+``--overwrite`` lets a run replace what is there. While a run trains, its main process holds an exclusive
+``flock`` on ``run.lock`` in the folder: a second ``bitune train`` on the same folder stops at once with an
+error. The operating system drops the lock when the process ends, however it ends (exit, crash, ``kill -9``),
+so a lock is never stale. Light: no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import os
 import shutil
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +42,6 @@ LOCK_FILE = "run.lock"
 RESUMABLE_KEYS = ("output_dir", "steps", "epochs", "save_every", "save_total_limit", "log_every", "eval_every",
                   "num_workers", "prompt_passes")
 """Settings a resumed run may change."""
-
-_held: dict[str, int] = {}  # run folders this process holds the lock of -> the lock file's descriptor
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -122,19 +124,67 @@ def _check_same_settings(saved_path: Path, settings: Any) -> None:
                           "resume with the same settings or choose another output_dir")
 
 
-def prepare_output_dir(out: Path, settings: Any, resume: bool, write: bool = True,
-                       overwrite: bool = False) -> Path | None:
-    """Check the run folder against this run (:func:`check_run_folder`) and write ``settings.yaml``; return the
-    checkpoint to resume from. ``write=False`` only checks; with ``overwrite`` and without ``resume`` the old run
-    is deleted first."""
-    checkpoint = check_run_folder(out, settings, resume, overwrite)
-    if not write:
-        return checkpoint
-    if overwrite and not resume:
-        clear_run(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / SETTINGS_FILE, settings.to_yaml())
-    return checkpoint
+@dataclass
+class RunStart:
+    """A run that holds its folder (from :func:`start_run`): what to resume from, and the step that writes."""
+
+    out: Path
+    """The run folder."""
+    checkpoint: Path | None
+    """The checkpoint to resume from (None: a fresh run)."""
+    settings: Any = field(repr=False)
+    resume: bool = False
+    overwrite: bool = False
+    begun: bool = False
+    """Whether :meth:`begin` ran: from then on a failure keeps the folder (its checkpoints and log)."""
+
+    def begin(self) -> None:
+        """Start writing (main process): delete the old run when ``overwrite`` starts afresh, write
+        ``settings.yaml``."""
+        if self.overwrite and not self.resume:
+            clear_run(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.out / SETTINGS_FILE, self.settings.to_yaml())
+        self.begun = True
+
+
+@contextmanager
+def start_run(out: str | Path, settings: Any, resume: bool, overwrite: bool = False,
+              main: bool = True) -> Iterator[RunStart]:
+    """Take a run folder for the ``with`` block: lock it (main process only), check it against this run
+    (:func:`check_run_folder`, once) and yield the :class:`RunStart`. A failure before :meth:`RunStart.begin`
+    (loading the model or the data, building the trainer) removes what the start created: the lock file and
+    the folders it made (never a file it did not create).
+
+    Raises:
+        BituneError: the folder is locked by another run, or holds a run this one may not replace or resume.
+    """
+    out = Path(out)
+    created = _missing(out.expanduser().absolute())  # the folders locking creates, outermost first
+    lock = out.expanduser().absolute() / LOCK_FILE
+    lock_existed = lock.exists()
+    with run_lock(out) if main else nullcontext():
+        run = RunStart(out, None, settings, resume, overwrite)
+        try:
+            run.checkpoint = check_run_folder(out, settings, resume, overwrite)
+            yield run
+        except BaseException:
+            if main and not run.begun:
+                if not lock_existed:
+                    lock.unlink(missing_ok=True)  # still locked: a process waiting on it retries (see run_lock)
+                for folder in reversed(created):
+                    with suppress(OSError):
+                        folder.rmdir()  # only when empty
+            raise
+
+
+def _missing(folder: Path) -> list[Path]:
+    """``folder`` and those of its ancestors that do not exist, outermost first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing[::-1]
 
 
 def rng_file(rank: int, world_size: int) -> str:
@@ -196,38 +246,47 @@ def clear_run(out: Path) -> None:
 
 @contextmanager
 def run_lock(output_dir: str | Path) -> Iterator[None]:
-    """Hold the exclusive lock of a run folder (creating the folder) for the ``with`` block.
-
-    Nested uses in one process share the lock; only the main process of a multi-process job (``RANK`` 0)
-    takes it.
+    """Hold the exclusive lock of a run folder (creating the folder) for the ``with`` block; only the main
+    process of a multi-process job (``RANK`` 0) takes it. Use :func:`start_run` to start a run.
 
     Raises:
         BituneError: another process holds the lock (names it and the lock file).
     """
-    folder = Path(output_dir).expanduser().absolute()
-    key = str(folder)
-    if key in _held or int(os.environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
+    folder = Path(output_dir).expanduser().absolute()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
-        os.close(fd)
-        raise BituneError(f"output_dir {folder} is in use by another bitune train ({holder}; lock file {path}); "
-                          "wait for it to finish or choose another output_dir") from None
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise BituneError(f"output_dir {folder} is in use by another bitune train ({holder}; lock file {path}); "
+                              "wait for it to finish or choose another output_dir") from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # a failed start removed the file this descriptor locks: lock the file now there
+    else:
+        raise BituneError(f"output_dir {folder}: could not lock {path} (it keeps being removed); try again")
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-    _held[key] = fd
     try:
         yield
     finally:
-        del _held[key]
-        os.close(fd)  # releases the lock; the file stays (removing it could let two later runs lock two files)
+        os.close(fd)  # releases the lock; the file stays (only a failed start removes its own, see start_run)
 
 
-__all__ = ["checkpoints", "check_run_folder", "check_world_size", "clear_run", "describe", "prepare_output_dir",
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open descriptor ``fd`` is the file at ``path`` (not one removed since it was opened)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+__all__ = ["checkpoints", "check_run_folder", "check_world_size", "clear_run", "describe", "RunStart", "start_run",
            "rotate", "run_lock", "truncate_log", "append_jsonl", "LOCK_FILE"]

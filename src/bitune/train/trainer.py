@@ -41,8 +41,8 @@ from ..errors import BituneError
 from ..model import BituneModel
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from .logger import JsonlLogger
-from .run_folder import (FINAL_DIR, LOG_FILE, append_jsonl, check_world_size, checkpoint_step, checkpoints,
-                         prepare_output_dir, run_lock, truncate_log)
+from .run_folder import (FINAL_DIR, LOG_FILE, RunStart, append_jsonl, check_world_size, checkpoint_step, checkpoints,
+                         start_run, truncate_log)
 from .settings import TrainSettings
 
 
@@ -388,12 +388,14 @@ def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[
 
 
 def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool = False,
-                 first_log: dict[str, Any] | None = None, overwrite: bool = False) -> TrainResult:
+                 first_log: dict[str, Any] | None = None, overwrite: bool = False,
+                 run: RunStart | None = None) -> TrainResult:
     """Train (optionally resuming from the last complete checkpoint), then save ``final/``.
 
     Runs the same in every process of a multi-process job: all check the run folder and train; only the main
-    process holds the folder's lock (:func:`~bitune.train.run_folder.run_lock`) and writes ``settings.yaml``,
-    the log and ``final/``, and every process returns once they exist.
+    process holds the folder's lock and writes ``settings.yaml``, the log and ``final/``, and every process
+    returns once they exist. The folder is taken by :func:`~bitune.train.run_folder.start_run` (here, or by the
+    caller, which passes ``run``).
 
     Args:
         trainer: from :func:`build_trainer`.
@@ -401,28 +403,28 @@ def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool =
         resume: continue from the newest complete ``checkpoint-N`` in ``output_dir``.
         first_log: a record written to ``log.jsonl`` before training (e.g. data counts); not on resume.
         overwrite: allow replacing a run (see :func:`~bitune.train.run_folder.check_run_folder`).
+        run: the folder as the caller took it with ``start_run`` (then ``resume`` and ``overwrite`` are its own).
 
     Raises:
         BituneError: the folder is locked by another run, holds a run this one may not replace, has nothing to
             resume, a checkpoint is corrupt, or training diverged (inf/NaN loss or weights; nothing is saved).
     """
-    out = Path(settings.output_dir)
-    with run_lock(out) if trainer.is_main else contextlib.nullcontext():
-        return _run_training(trainer, settings, resume, first_log, overwrite)
+    if run is not None:
+        return _run_training(trainer, run, first_log)
+    with start_run(settings.output_dir, settings, resume, overwrite, trainer.is_main) as run:
+        return _run_training(trainer, run, first_log)
 
 
-def _run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool, first_log: dict[str, Any] | None,
-                  overwrite: bool) -> TrainResult:
-    out = Path(settings.output_dir)
+def _run_training(trainer: BituneTrainer, run: RunStart, first_log: dict[str, Any] | None) -> TrainResult:
+    out, checkpoint = run.out, run.checkpoint
     main = trainer.is_main
     wait = trainer.accelerator.wait_for_everyone
-    checkpoint = prepare_output_dir(out, settings, resume, write=False, overwrite=overwrite)  # all check first
     if checkpoint is not None:
         check_world_size(checkpoint, trainer.accelerator.num_processes)
         verify_checkpoint(checkpoint, trainer.model)
     wait()
     if main:
-        prepare_output_dir(out, settings, resume, overwrite=overwrite)
+        run.begin()
     if main and checkpoint is not None:
         truncate_log(out / LOG_FILE, checkpoint_step(checkpoint))
         print(f"bitune train: resuming from {checkpoint}")
