@@ -3,7 +3,7 @@
 A prompt pass hands the model a prepared 4D mask (boolean for sdpa, additive for eager), which every
 transformers 5.x architecture uses as-is (paper eq. 4 and 5). Models whose
 config lists sliding-window layers get a per-layer-type dict, the form their forward accepts for hybrid masks.
-Padding keys are always blocked; a padding query may see itself only, so no softmax row is empty (no NaN).
+Padding keys are always blocked; a padding query always sees itself, so no softmax row is empty (no NaN).
 The fused forward builds its block mask from the same pieces (:func:`allowed`, :func:`per_layer_type`) in
 :mod:`bitune.fused`.
 """

@@ -2,27 +2,30 @@
 
 For left-padded prompts x_1..x_P and right-padded answers y_1..y_A (eos included):
 
-1. Two ordinary Hugging Face forwards over x_1..x_{P-1} fill two KV caches: pass A causal with the causal
-   weights, pass B bidirectional with the bidir weights (the ablations change a mask or a weight set:
-   ``BituneConfig.passes``). Masks come from :func:`bitune.masks.pass_mask`.
-2. Per layer, the keys and values are mixed (eq. 6-7): ``K = K_A (1 - a_k) + K_B a_k``, ``V`` likewise, with
-   ``a = |theta| / (theta_init + |theta|)`` (:class:`bitune.mixer.Mixer`, float32).
+1. Two ordinary Hugging Face forwards over x_1..x_{P-1} fill two KV caches: the causal pass with the causal
+   weights, the bidirectional pass with the bidir weights (the ablations change a mask or a weight set:
+   ``BituneConfig.passes``).
+2. Per layer, the keys and values are mixed (eq. 6-7): ``K = K_causal (1 - a_k) + K_bidir a_k``, ``V`` likewise,
+   with ``a = |theta| / (theta_init + |theta|)``, in float32.
 3. One causal forward with the causal weights reads x_P, y_1..y_{A-1} on top of the mixed cache, positions
    continuing after the prompt's real tokens; its logits predict y_1..y_A.
 4. The loss is each example's mean answer-token cross-entropy, averaged over the examples.
 
 Nothing here is fast: every pass runs the whole model (lm_head included), one pass at a time.
 :class:`bitune.model.BituneModel` computes the same numbers with early exits, row routing and one fused
-forward; tests hold every path to this one.
+forward; tests hold every path to this one. So that a bug in the fast code cannot hide in both, this module
+shares none of its helpers: a weight set runs through PEFT's own forward (its public ``set_adapter``), the pass
+masks, positions and the mixing are written out here, and only the model's trained tensors (adapters, the
+bidir copy of full fine-tuning, the thetas) are read from the BituneModel.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-
-from .masks import pass_mask, position_ids
 
 
 def reference_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, answer_ids: torch.Tensor,
@@ -34,32 +37,100 @@ def reference_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         prompt_ids, prompt_mask: (B, P) left-padded prompts, at least 2 real tokens each.
         answer_ids, answer_mask: (B, A) right-padded answers.
     """
-    config, weights, text = model.config, model.weights, model.text_config
-    impl = weights.base.config._attn_implementation
-    dtype = next(weights.base.parameters()).dtype
+    config, text = model.config, model.text_config
+    impl = text._attn_implementation
+    dtype = next(model.parameters()).dtype
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T): the prompt without its last token
     if config.single_pass:  # the baselines: one causal pass over prompt + answer
         full_ids, full_mask = torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, answer_mask], 1)
-        out = weights.call("causal", input_ids=full_ids, attention_mask=full_mask,
-                           position_ids=position_ids(full_mask))
+        out = _forward(model, "causal", input_ids=full_ids, attention_mask=full_mask, position_ids=_positions(full_mask))
         return out.logits[:, prompt_ids.shape[1] - 1:-1]  # (B, A, V)
     caches = []
     for weight_set, kind in config.passes:  # step 1
         cache = DynamicCache(config=text)
-        weights.call(weight_set, input_ids=ids, attention_mask=pass_mask(mask, kind, dtype, text, impl),
-                     position_ids=position_ids(mask), cache=cache, use_cache=True)
+        _forward(model, weight_set, input_ids=ids, attention_mask=_pass_mask(mask, kind, text, impl, dtype),
+                 position_ids=_positions(mask), cache=cache, use_cache=True)
         caches.append(cache)
     cache = caches[0]
     if model.mixer is not None:  # step 2
-        for layer, (a, b) in enumerate(zip(caches[0].layers, caches[1].layers)):
-            a.keys, a.values = model.mixer(layer, a.keys, b.keys, a.values, b.values)
+        for layer, (c, b) in enumerate(zip(caches[0].layers, caches[1].layers)):
+            a_k, a_v = (_ratio(theta[layer], config.theta_init) for theta in (model.mixer.theta_k, model.mixer.theta_v))
+            c.keys = (c.keys.float() * (1 - a_k) + b.keys.float() * a_k).to(c.keys.dtype)  # (B, nh, T, hs)
+            c.values = (c.values.float() * (1 - a_v) + b.values.float() * a_v).to(c.values.dtype)
     step_ids = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], 1)  # (B, A): x_P, y_1..y_{A-1}
     step_mask = torch.cat([prompt_mask[:, -1:], answer_mask[:, :-1]], 1)  # (B, A)
     full_mask = torch.cat([mask, step_mask], 1)  # (B, T + A)
-    out = weights.call("causal", input_ids=step_ids, attention_mask=full_mask,  # step 3
-                       position_ids=position_ids(full_mask)[:, -step_ids.shape[1]:], cache=cache,
-                       use_cache=True)
+    out = _forward(model, "causal", input_ids=step_ids, attention_mask=full_mask,  # step 3
+                   position_ids=_positions(full_mask)[:, -step_ids.shape[1]:], cache=cache, use_cache=True)
     return out.logits  # (B, A, V)
+
+
+def _ratio(theta: torch.Tensor, theta_init: float) -> torch.Tensor:
+    """Eq. 7: a = |theta| / (theta_init + |theta|), float32."""
+    return theta.float().abs() / (theta_init + theta.float().abs())
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions counting real tokens only (left padding does not shift them); 0 on padding."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0) * mask.long()
+
+
+def _pass_mask(mask: torch.Tensor, kind: str, text, impl: str, dtype: torch.dtype):
+    """The 4D mask of one prompt pass (eq. 4-5), True/0 where query row q may read key column k: ``causal`` k <= q,
+    ``bidirectional`` every k, ``anti_causal`` k >= q; within the sliding window |q - k| < window on sliding
+    layers; never a padding key, and always itself (no empty softmax row on a padding query). Boolean for sdpa,
+    additive for eager; ``{layer type: mask}`` for models with sliding and full layers."""
+    T = mask.shape[1]
+    q = torch.arange(T, device=mask.device)[:, None]  # (T, 1)
+    k = torch.arange(T, device=mask.device)[None, :]  # (1, T)
+    shape = {"causal": k <= q, "bidirectional": k >= 0, "anti_causal": k >= q}[kind]  # (T, T)
+
+    def build(window):
+        ok = shape if window is None else shape & ((q - k).abs() < window)  # (T, T)
+        ok = (ok & mask.bool()[:, None, None, :]) | (q == k)  # (B, 1, T, T)
+        return ok if impl == "sdpa" else torch.where(ok, 0.0, torch.finfo(dtype).min).to(dtype)
+
+    types, window = set(getattr(text, "layer_types", None) or ()), getattr(text, "sliding_window", None)
+    if "sliding_attention" in types:
+        return {"full_attention": build(None), "sliding_attention": build(window)}
+    return build(window if not types else None)
+
+
+def _forward(model, weight_set: str, **kwargs):
+    """One forward of the wrapped Hugging Face model with ``weight_set``'s weights, through the libraries' own
+    forwards: PEFT's model with ``weight_set`` as its active adapter, or (full fine-tuning) the model called
+    with the bidir copy of its weights. A variant without that set uses the causal weights."""
+    weights = model.weights
+    if weight_set not in model.config.weight_sets:
+        weight_set = "causal"
+    if weights.method == "full" and weight_set == "bidir":
+        params = {name.replace("__", "."): p for name, p in weights.bidir.items()}
+        return torch.func.functional_call(weights.model, params, args=(), kwargs=kwargs, strict=False)
+    if not weights.peft:
+        return weights.model(**kwargs)
+    with _active_adapter(weights.model, weight_set):
+        return weights.model(**kwargs)
+
+
+@contextmanager
+def _active_adapter(peft_model, name: str):
+    """PEFT's ``set_adapter(name)`` for the block. ``set_adapter`` also turns ``requires_grad`` off on the other
+    adapters (RESOURCES' trap: a gradient silently lost), so every flag is restored right after the switch, before
+    the forward, and again after switching back."""
+    flags = [(p, p.requires_grad) for p in peft_model.parameters()]
+
+    def restore():
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+    active = peft_model.active_adapter
+    peft_model.set_adapter(name)
+    restore()
+    try:
+        yield
+    finally:
+        peft_model.set_adapter(active)
+        restore()
 
 
 def reference_loss(model, prompt_ids, prompt_mask, answer_ids, answer_mask) -> torch.Tensor:
