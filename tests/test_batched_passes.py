@@ -63,17 +63,18 @@ def test_fused_forward_restores_the_attention_implementation_after_an_error(monk
 
 def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
     model = BituneModel.wrap(tiny_model("llama"), BituneConfig())  # LoRA, the default
-    assert (model.execution(), model.execution(answer=False)) == ("fused", "batched")
+    assert (model.forward_path(), model.prefill_path()) == ("fused", "batched")
     for method in ("ia3", "dora", "full"):
         model = BituneModel.wrap(tiny_model("llama"), BituneConfig(method=method))
-        assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential"), method
+        assert (model.forward_path(), model.prefill_path()) == ("sequential", "sequential"), method
     shared = BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="shared_weights", method="ia3"))
-    assert shared.execution() == "fused"
-    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="lora")).execution() == "single"
+    assert shared.forward_path() == "fused"
+    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="lora")).forward_path() == "single"
     model = BituneModel.wrap(tiny_model("llama"), BituneConfig(), prompt_passes="batched")
-    assert (model.execution(), model.execution(answer=False)) == ("batched", "batched")
+    assert (model.forward_path(), model.prefill_path()) == ("batched", "batched")
     model.prompt_passes = "sequential"  # a runtime choice: it can change on a built model
-    assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential")
+    assert (model.forward_path(), model.prefill_path()) == ("sequential", "sequential")
+    assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential")  # the older name
     with pytest.raises(ValueError, match="prompt_passes='parallel' is not one of"):
         model.prompt_passes = "parallel"
 

@@ -59,8 +59,8 @@ def test_grouping_keeps_instruction_data_under_ten_percent():
 
 def test_padding_share_counts_each_prompt_pass():
     lengths = [(4, 1), (2, 3)]  # batch pads prompts to 4, answers to 3
-    assert padding_share(lengths, [0, 1], 2, prompt_passes=2) == pytest.approx(1 - (9 + 7) / (2 * 11))
-    assert padding_share(lengths, [0, 1], 2, prompt_passes=1) == pytest.approx(1 - (5 + 5) / (2 * 7))
+    assert padding_share(lengths, [0, 1], 2, prompt_reads=2) == pytest.approx(1 - (9 + 7) / (2 * 11))
+    assert padding_share(lengths, [0, 1], 2, prompt_reads=1) == pytest.approx(1 - (5 + 5) / (2 * 7))
 
 
 def varied_samples(n: int = 24, seed: int = 0) -> list[dict]:

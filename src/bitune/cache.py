@@ -46,15 +46,16 @@ def num_layers(cache) -> int:
     return len(cache.layers)
 
 
-def mix_into(cache_c, cache_b, mix, start: int = 0) -> None:
-    """Replace every layer's K/V of ``cache_c`` by ``mix(layer, K_c, K_b, V_c, V_b)``; other state is kept.
+def mix_into(cache_causal, cache_bidir, mix, start: int = 0) -> None:
+    """Replace every layer's K/V of ``cache_causal`` by ``mix(layer, K_causal, K_bidir, V_causal, V_bidir)``; other
+    state is kept.
 
     Args:
         start: positions before ``start`` (a shared history both caches extended) are kept as they are.
     """
-    if num_layers(cache_c) != num_layers(cache_b):
+    if num_layers(cache_causal) != num_layers(cache_bidir):
         raise ValueError("prompt caches have different numbers of layers")
-    for i, (lc, lb) in enumerate(zip(cache_c.layers, cache_b.layers)):
+    for i, (lc, lb) in enumerate(zip(cache_causal.layers, cache_bidir.layers)):
         k, v = mix(i, lc.keys[..., start:, :], lb.keys[..., start:, :], lc.values[..., start:, :],
                    lb.values[..., start:, :])
         lc.keys = torch.cat([lc.keys[..., :start, :], k], dim=-2) if start else k

@@ -35,14 +35,17 @@ TEMPLATES: dict[str, str] = {
 }
 PASS_MASKS = ("causal", "bidirectional", "anti_causal")
 PROMPT_PASSES: dict[str, str] = {
-    "auto": "what bitune bench measured fastest: currently fused for a forward, batched for reading a prompt",
+    "auto": "the default: fused for a forward, batched for reading a prompt (bitune bench train / generate measure "
+            "the choices side by side)",
     "fused": "a forward is one forward over 2T + A positions (both prompt passes and the answer); a prompt read "
              "alone (generation, evaluation) runs both prompt passes as one forward over 2B rows",
-    "batched": "both prompt passes as one forward over 2B rows, then the answer pass",
-    "sequential": "one forward per pass",
+    "batched": "both prompt passes as one forward over 2B rows, then the answer pass; a prompt read alone the same",
+    "sequential": "one forward per pass, in a forward and in a prompt read alone",
 }
-"""How the passes may run: a runtime argument of ``BituneModel``, never saved in a config. Fused and batched need plain LoRA or one shared weight
-set; other methods always run sequentially."""
+"""How the passes may run: a runtime argument of ``BituneModel``, never saved in a config. Each choice makes two
+decisions, resolved by ``BituneModel.forward_path`` (a forward: prompt passes and answer pass) and
+``BituneModel.prefill_path`` (a prompt read alone). Fused and batched need plain LoRA or one shared weight set;
+other methods always run sequentially."""
 
 
 @dataclass

@@ -8,24 +8,20 @@ the answer to read; :func:`fused_attention` computes only the attention blocks t
 2T + A tokens instead of three smaller ones: fewer, larger matrix products. The result is what
 ``answer_logits(prefill(...))`` computes (tests hold it to :mod:`bitune.reference`).
 
-This module alone owns the fused path's mask, its ``DynamicCache`` subclass and its attention function
-(registered with transformers' ``AttentionInterface``).
+This module alone owns the fused path's mask, its ``DynamicCache`` subclass and its block attention function
+(its layout; registration and switching are :mod:`bitune.attention`'s).
 """
 
 from __future__ import annotations
 
-import sys
-import weakref
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from transformers import AttentionInterface, DynamicCache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers import DynamicCache
 
-from .masks import allowed, check_implementation, per_layer_type, position_ids
+from . import attention
+from .attention import block_attention, check_implementation, mask_format
+from .masks import allowed, per_layer_type, position_ids
 
 NAME = "bitune_fused"
 
@@ -48,7 +44,7 @@ def fused_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ans
     step_ids = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], dim=1)  # (B, A)
     step_mask = torch.cat([torch.ones_like(prompt_mask[:, -1:]), answer_mask[:, :-1]], dim=1)  # (B, A)
     T, A = ids.shape[1], step_ids.shape[1]
-    passes = model.config.passes[::-1]  # pass B first, so pass A (causal weights) runs on into the answer
+    passes = model.config.passes[::-1]  # the bidirectional pass first, so the causal one runs on into the answer
     S = len(passes) * T + A
     read = S if model.mixer is not None else 0  # the mixed block the cache appends, or the one pass's keys
     base = model.weights.base
@@ -57,7 +53,7 @@ def fused_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ans
                       base.config._attn_implementation)
     positions = position_ids(mask)  # (B, T)
     answer_positions = position_ids(torch.cat([mask, step_mask], dim=1))[:, T:]  # (B, A)
-    with fused_attention_in(base, T, len(passes), read):
+    with attention.running(base, NAME, FusedLayout(T, len(passes), read)):
         out = model.weights.call_segments(
             [(w, T) for w, _ in passes] + [("causal", A)],
             input_ids=torch.cat([ids] * len(passes) + [step_ids], dim=1),  # (B, S)
@@ -100,9 +96,7 @@ def fused_mask(
         answer = allowed(torch.cat([prompt_mask, step_mask], dim=1), "causal", window)[:, :, T:]  # (B, 1, A, T+A)
         ok[:, :, S - A:, read:read + T] = answer[..., :T]
         ok[:, :, S - A:, S - A:S] = answer[..., T:]
-        if attn_implementation != "eager":
-            return ok
-        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+        return mask_format(ok, attn_implementation, dtype)
 
     return per_layer_type(build, config)
 
@@ -112,7 +106,7 @@ class FusedCache(DynamicCache):
     """Stands in for the cache of the fused forward.
 
     It stores nothing: each layer's keys and values come back extended by the T mixed prompt positions
-    ``mix(layer, K_A, K_B, V_A, V_B)``, which the mask lets the answer tokens (only) attend to. Gradients flow
+    ``mix(layer, K_causal, K_bidir, V_causal, V_bidir)``, which the mask lets the answer tokens (only) attend to. Gradients flow
     through the mixing into both passes, as in the sequential path.
 
     Args:
@@ -129,7 +123,7 @@ class FusedCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if self.mix is None:
             return key_states, value_states
-        T = self.prompt_len  # positions: [0, T) pass B, [T, 2T) pass A, then the answer
+        T = self.prompt_len  # positions: [0, T) the bidirectional pass, [T, 2T) the causal pass, then the answer
         k, v = self.mix(layer_idx, key_states[..., T:2 * T, :], key_states[..., :T, :],
                         value_states[..., T:2 * T, :], value_states[..., :T, :])
         return torch.cat([key_states, k], dim=-2), torch.cat([value_states, v], dim=-2)
@@ -144,41 +138,22 @@ class FusedLayout:
         prompt_len: T, positions per prompt pass.
         passes: n, prompt passes at positions [0, nT).
         read: first key position of the T prompt keys the answer reads (a pass's own, or the mixed block).
-        inner: the model's own attention implementation, which computes each block.
     """
 
     prompt_len: int
     passes: int
     read: int
-    inner: str
 
 
-_LAYOUT: ContextVar[FusedLayout | None] = ContextVar("bitune_fused_layout", default=None)
-
-
-def inner_attention(module: nn.Module, name: str):
-    """The attention function ``name`` (``eager``: the module's own modeling file's) that a block computes with."""
-    if name == "eager":  # each modeling file has its own eager function (soft-capping, sinks, ...)
-        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if eager is None:
-            raise ValueError(f"{type(module).__name__}: no eager attention function found; "
-                             "use attn_implementation='sdpa'")
-        return eager
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
-def fused_attention(module, query, key, value, attention_mask, **kwargs):
+@block_attention(NAME)
+def fused_attention(module, query, key, value, attention_mask, layout: FusedLayout, inner, **kwargs):
     """Attention for query (B, h, S, d), key/value (B, h_kv, K, d), mask (B, 1, S, K); returns ((B, S, h, d), None).
 
     Dense attention over the fused mask would cost (nT + A) x (nT + A + T) scores per head; this computes only
     the blocks that can be non-zero: the n prompt passes stacked as n*B rows of T x T, and the answer's
-    A x (T + A), each with the model's own attention implementation (sdpa or its eager function), so the result
-    is what the dense computation would give.
+    A x (T + A), each with the model's own attention implementation ``inner`` (sdpa or its eager function), so
+    the result is what the dense computation would give.
     """
-    layout = _LAYOUT.get()
-    if layout is None:
-        raise RuntimeError(f"attention implementation {NAME!r} is only valid inside bitune's fused forward")
-    inner = inner_attention(module, layout.inner)
     B, T, n = query.shape[0], layout.prompt_len, layout.passes
     P, S = n * T, query.shape[2]
 
@@ -197,43 +172,4 @@ def fused_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat([*out_passes.split(B), out_answer], dim=1), None  # (B, S, h, d)
 
 
-AttentionInterface.register(NAME, fused_attention)
-
-
-@contextmanager
-def fused_attention_in(model: nn.Module, prompt_len: int, passes: int, read: int):
-    """Within this block, ``model`` (a transformers model) computes attention with :func:`fused_attention`."""
-    token = _LAYOUT.set(FusedLayout(prompt_len, passes, read, model.config._attn_implementation))
-    try:
-        with attention_implementation(model, NAME):
-            yield
-    finally:
-        _LAYOUT.reset(token)
-
-
-_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def attention_implementation(model: nn.Module, name: str):
-    """Within this block, ``model`` computes attention with the registered implementation ``name``.
-
-    What ``model.set_attn_implementation`` does for a text model (every transformers submodel's config says which
-    attention function its layers call), without its walk over all modules and checks on every call (~15 ms on a
-    30-layer model, twice per forward): the configs are found once per model.
-    """
-    configs = _CONFIGS.get(model)
-    if configs is None:
-        found = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
-        configs = _CONFIGS[model] = list(found.values())
-    before = [c._attn_implementation_internal for c in configs]
-    for c in configs:
-        c._attn_implementation_internal = name
-    try:
-        yield
-    finally:
-        for c, impl in zip(configs, before):
-            c._attn_implementation_internal = impl
-
-
-__all__ = ["fused_logits", "fused_mask", "FusedCache", "fused_attention", "fused_attention_in"]
+__all__ = ["fused_logits", "fused_mask", "FusedCache", "FusedLayout", "fused_attention"]

@@ -1,6 +1,7 @@
 """Attention masks of the prompt passes: the one place that makes a pass causal, bidirectional or anti-causal.
 
-A prompt pass hands the model a prepared 4D mask (boolean for sdpa, additive for eager), which every
+A prompt pass hands the model a prepared 4D mask (boolean for sdpa, additive for eager:
+:func:`bitune.attention.mask_format`), which every
 transformers 5.x architecture uses as-is (paper eq. 4 and 5). Models whose
 config lists sliding-window layers get a per-layer-type dict, the form their forward accepts for hybrid masks.
 Padding keys are always blocked; a padding query always sees itself, so no softmax row is empty (no NaN).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import check_implementation, mask_format
 from .config import PASS_MASKS
 
 
@@ -85,18 +87,9 @@ def pass_mask(
         if past_mask is not None:
             past = past_mask.bool()[:, None, None, :].expand(-1, 1, ok.shape[2], -1)  # (B, 1, T, T_past)
             ok = torch.cat([past, ok], dim=-1)  # (B, 1, T, T_past + T)
-        if attn_implementation != "eager":
-            return ok
-        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+        return mask_format(ok, attn_implementation, dtype)
 
     return per_layer_type(build, config)
-
-
-def check_implementation(name: str) -> None:
-    """Refuse attention implementations other than eager and sdpa (the 4D masks are tested with those)."""
-    if name not in ("eager", "sdpa"):
-        raise ValueError(f"attention implementation {name!r} is not supported (Bitune passes its own 4D masks, "
-                         "tested with sdpa and eager); load the model with attn_implementation='sdpa' or 'eager'")
 
 
 def per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:

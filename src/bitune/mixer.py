@@ -1,6 +1,6 @@
 """Learnable mixing of causal and bidirectional prompt features (paper eq. 6-7).
 
-    K = K_c * (1 - a_k) + K_b * a_k,    V = V_c * (1 - a_v) + V_b * a_v,
+    K = K_causal * (1 - a_k) + K_bidir * a_k,    V = V_causal * (1 - a_v) + V_bidir * a_v,
     a = |theta| / (theta_init + |theta|),
 
 with one theta_k and one theta_v per layer, initialised to theta_init (so a = 0.5 at the start). The mixing
@@ -36,10 +36,11 @@ class Mixer(nn.Module):
         """Current a_k and a_v per layer, each (L,) float32, detached."""
         return {"k": self.ratio(self.theta_k).detach(), "v": self.ratio(self.theta_v).detach()}
 
-    def forward(self, layer: int, k_c, k_b, v_c, v_b) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mix one layer's features; all tensors (B, n_kv_heads, T, head_dim); returns (K, V) in the input dtype."""
+    def forward(self, layer: int, k_causal, k_bidir, v_causal, v_bidir) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mix one layer's features of the causal and the bidirectional pass; all tensors (B, n_kv_heads, T,
+        head_dim); returns (K, V) in the input dtype."""
         a_k = self.ratio(self.theta_k[layer])  # () float32
         a_v = self.ratio(self.theta_v[layer])  # () float32
-        k = k_c.float() * (1 - a_k) + k_b.float() * a_k  # (B, nh, T, hs) float32
-        v = v_c.float() * (1 - a_v) + v_b.float() * a_v  # (B, nh, T, hs) float32
-        return k.to(k_c.dtype), v.to(v_c.dtype)
+        k = k_causal.float() * (1 - a_k) + k_bidir.float() * a_k  # (B, nh, T, hs) float32
+        v = v_causal.float() * (1 - a_v) + v_bidir.float() * a_v  # (B, nh, T, hs) float32
+        return k.to(k_causal.dtype), v.to(v_causal.dtype)

@@ -6,15 +6,17 @@ layer's keys/values, both passes batched as one forward, or everything fused int
 
 For a batch of left-padded prompts x_1..x_P and right-padded answers y_1..y_A:
 
-1. prompt passes over x_1..x_{P-1}: pass A causal with the causal weights, pass B bidirectional with the bidir
+1. prompt passes over x_1..x_{P-1}: the causal pass with the causal weights, the bidirectional pass with the bidir
    weights (eq. 1-5; the ablations change masks or weights, see ``BituneConfig.passes``);
-2. per layer, K = K_c (1 - a_k) + K_b a_k and V likewise (eq. 6-7, :mod:`bitune.mixer`);
+2. per layer, K = K_causal (1 - a_k) + K_bidir a_k and V likewise (eq. 6-7, :mod:`bitune.mixer`);
 3. answer pass over x_P, y_1..y_{A-1}, causal, causal weights, on the mixed cache, positions continuing from
-   the prompt; the loss is the cross-entropy of y_1..y_A (eos included), padding excluded.
+   the prompt; the loss is the cross-entropy of y_1..y_A (eos included), padding excluded, as the example mean
+   (:class:`BituneOutput`'s ``loss``: the one place it is explained).
 
-How the passes execute is a runtime choice (``prompt_passes``, resolved by :meth:`BituneModel.execution`): the
-prompt passes one by one or batched (:mod:`bitune.passes`), or everything fused into one forward
-(:mod:`bitune.fused`). Caches live in :mod:`bitune.cache`, masks in :mod:`bitune.masks`, weight sets in
+How the passes execute is a runtime choice (``prompt_passes``) that makes two decisions:
+:meth:`BituneModel.forward_path` (a forward: the prompt passes one by one, batched (:mod:`bitune.passes`), or
+everything fused into one forward (:mod:`bitune.fused`)) and :meth:`BituneModel.prefill_path` (a prompt read
+alone: one by one or batched). Caches live in :mod:`bitune.cache`, masks in :mod:`bitune.masks`, weight sets in
 :mod:`bitune.adapters`, checkpoints in :mod:`bitune.checkpoint`.
 """
 
@@ -42,9 +44,11 @@ class BituneOutput:
     """Result of a forward.
 
     Attributes:
-        loss: the training loss (scalar): the mean over examples of each example's mean answer-token
-            cross-entropy (``example_loss.mean()``; every example weighs the same, as in the paper's batch-1
-            setup). This is what ``bitune train`` optimises.
+        loss: the training loss (scalar), the **example mean**: the mean over the B examples of each example's
+            mean answer-token cross-entropy (``example_loss.mean()``). Every example weighs the same whatever its
+            length (a token mean would let long answers outweigh short ones), as in the authors' batch-1 x
+            gradient-accumulation setup. This is what ``bitune train`` and the TRL trainer optimise; this is the
+            one place it is explained, the others point here.
         logits: (B, A, V) ``logits[:, t]`` predicts ``answer_ids[:, t]``.
         token_logprobs: (B, A) log-probability of each answer token (0 on padding).
         example_loss: (B,) mean cross-entropy per example.
@@ -92,18 +96,25 @@ class BituneModel(nn.Module):
         self._prompt_passes = value
 
     def execution(self, answer: bool = True) -> str:
-        """The path that runs, resolved from :attr:`prompt_passes`, the variant and the method.
+        """The path that runs: :meth:`forward_path` (``answer=True``) or :meth:`prefill_path` (``answer=False``)."""
+        return self.forward_path() if answer else self.prefill_path()
 
-        Args:
-            answer: True for a forward (prompt passes and answer pass): ``"single"`` (the baselines' one causal
-                pass), ``"fused"``, ``"batched"`` or ``"sequential"``; False for reading a prompt alone
-                (:meth:`prefill`: generation, evaluation): ``"batched"`` or ``"sequential"``.
-        """
-        if answer and self.config.single_pass:
+    def forward_path(self) -> str:
+        """The first decision ``prompt_passes`` makes: how :meth:`forward` (prompt passes and answer pass:
+        training, a whole answer's loss) runs: ``"single"`` (the baselines' one causal pass), ``"fused"``,
+        ``"batched"`` or ``"sequential"``, from :attr:`prompt_passes`, the variant and the method."""
+        if self.config.single_pass:
             return "single"
         names = [w for w, _ in self.config.passes]
-        if answer and self.prompt_passes in ("auto", "fused") and self.weights.can_route(names + ["causal"]):
+        if self.prompt_passes in ("auto", "fused") and self.weights.can_route(names + ["causal"]):
             return "fused"
+        return self.prefill_path()
+
+    def prefill_path(self) -> str:
+        """The second decision ``prompt_passes`` makes: how :meth:`prefill` reads a prompt alone (generation,
+        evaluation, serving): ``"batched"`` (both prompt passes as one forward over 2B rows; also what ``fused``
+        reads prompts with) or ``"sequential"``."""
+        names = [w for w, _ in self.config.passes]
         if len(names) == 2 and self.prompt_passes != "sequential" and self.weights.can_route(names):
             return "batched"
         return "sequential"
@@ -156,7 +167,7 @@ class BituneModel(nn.Module):
 
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
-        if self.execution(answer=False) == "batched":
+        if self.prefill_path() == "batched":
             return read_passes_batched(self, ids, mask, self.config.passes, past)
         return [read_pass(self, ids, mask, weights, kind, past) for weights, kind in self.config.passes]
 
@@ -211,7 +222,7 @@ class BituneModel(nn.Module):
         check_prompt(prompt_ids, prompt_mask)
         check_answer(prompt_ids, answer_ids, answer_mask)
         check_ids(self.weights.base, prompt_ids, answer_ids)
-        path = self.execution()
+        path = self.forward_path()
         if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
         elif path == "fused":

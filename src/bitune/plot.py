@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import attention_implementation
 from .errors import BituneError
 from .generation import encode, render
 from .inputs import check_prompt
@@ -144,18 +145,15 @@ def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     check_prompt(prompt_ids, prompt_mask)
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
     base = model.weights.base
-    impl, dtype = base.config._attn_implementation, next(base.parameters()).dtype
-    base.set_attn_implementation("eager")
-    try:
-        maps = {}
+    dtype = next(base.parameters()).dtype
+    maps = {}
+    with attention_implementation(base, "eager"):
         for weights, kind in model.config.passes:
             attn = pass_mask(mask, kind, dtype, model.text_config, "eager")
             out = model.weights.call(weights, input_ids=ids, attention_mask=attn, output_attentions=True,
                                      position_ids=position_ids(mask), logits_to_keep=1)
             maps[f"{weights}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
-        return maps
-    finally:
-        base.set_attn_implementation(impl)
+    return maps
 
 
 def attention_figure(maps: dict[str, torch.Tensor], labels: list[str] | None = None, max_labels: int = 40):

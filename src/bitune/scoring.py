@@ -15,22 +15,20 @@ position is a real one. Attention is computed per packed prompt (:func:`packed_a
 its own cached keys and itself), not over the dense (S, R*T + S) mask; a caller still bounds S and R*T, which the
 mask and the logits grow with (``BituneLM.ANSWER_TOKENS`` / ``ANSWER_KEYS``).
 
-This module alone owns the packed pass's mask and its attention function (registered with transformers'
-``AttentionInterface``).
+This module alone owns the packed pass's mask and its block attention function (its layout: the prompts'
+spans; registration and switching are :mod:`bitune.attention`'s).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
+from . import attention
 from . import cache as kv
-from .fused import attention_implementation, inner_attention
-from .masks import check_implementation, per_layer_type, position_ids
+from .attention import block_attention, check_implementation, mask_format
+from .masks import per_layer_type, position_ids
 from .passes import Prefill
 
 NAME = "bitune_packed"
@@ -114,9 +112,7 @@ def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.
             cache_ok = cache_ok & (q_pos[:, None, None] - k_pos[None] < window)
             packed_ok = own & (packed.offset[:, None] - packed.offset[None, :] < window)
         ok = torch.cat([cache_ok.reshape(S, R * K), packed_ok], dim=-1)[None, None]  # (1, 1, S, R*K + S)
-        if attn_implementation != "eager":
-            return ok
-        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+        return mask_format(ok, attn_implementation, dtype)
 
     return per_layer_type(build, config)
 
@@ -147,7 +143,7 @@ def score_continuations(model, prefill: Prefill, continuations: list[list[list[i
                        base.config._attn_implementation, kv.keys_per_window(prefill.cache))
     positions = prompt_mask.sum(1)[packed.row] + packed.offset  # (S,)
     bounds = torch.cumsum(torch.bincount(packed.row, minlength=len(used)), 0).tolist()  # each prompt's end
-    with packed_attention_in(base, list(zip([0] + bounds[:-1], bounds))):
+    with attention.running(base, NAME, list(zip([0] + bounds[:-1], bounds))):
         out = model.weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
                                  position_ids=positions[None], cache=cache, use_cache=True)
     logits = out.logits[0, packed.columns]  # (N, V)
@@ -161,19 +157,15 @@ def score_continuations(model, prefill: Prefill, continuations: list[list[list[i
 
 
 # --------------------------------------------------------------------------------------------------- attention
-_SPANS: ContextVar[tuple[list[tuple[int, int]], str] | None] = ContextVar("bitune_packed_spans", default=None)
-
-
-def packed_attention(module, query, key, value, attention_mask, **kwargs):
+@block_attention(NAME)
+def packed_attention(module, query, key, value, attention_mask, spans: list[tuple[int, int]], inner, **kwargs):
     """Attention of a packed answer pass, prompt by prompt: query (1, h, S, d), key/value (1, h_kv, R*K + S, d),
-    mask (1, 1, S, R*K + S); returns ((1, S, h, d), None).
+    mask (1, 1, S, R*K + S), ``spans`` the (start, end) of each packed prompt; returns ((1, S, h, d), None).
 
     The dense mask lets the positions of packed prompt r see only prompt r's K cached keys and its own positions,
-    so each prompt is computed alone, with the model's own attention implementation: the dense result, at
-    (S_r, K + S_r) scores per prompt instead of (S, R*K + S).
+    so each prompt is computed alone, with the model's own attention implementation ``inner``: the dense result,
+    at (S_r, K + S_r) scores per prompt instead of (S, R*K + S).
     """
-    spans, impl = _SPANS.get()
-    inner = inner_attention(module, impl)
     R, S = len(spans), query.shape[2]
     K = (key.shape[2] - S) // R  # keys per prompt in this layer (sliding-window layers keep fewer)
     outs = []
@@ -185,21 +177,6 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
         out, _ = inner(module, query[:, :, a:b], keys, values, mask, **kwargs)  # (1, S_r, h, d)
         outs.append(out)
     return torch.cat(outs, dim=1), None
-
-
-AttentionInterface.register(NAME, packed_attention)
-
-
-@contextmanager
-def packed_attention_in(model, spans: list[tuple[int, int]]):
-    """Within this block, ``model`` computes attention with :func:`packed_attention` over prompts at ``spans``
-    (start, end) of the packed sequence."""
-    token = _SPANS.set((spans, model.config._attn_implementation))
-    try:
-        with attention_implementation(model, NAME):
-            yield
-    finally:
-        _SPANS.reset(token)
 
 
 __all__ = ["Packed", "pack", "packed_mask", "score_continuations", "packed_attention"]

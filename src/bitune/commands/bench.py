@@ -183,7 +183,7 @@ def bench_train(args) -> dict:
     paths = ("fused", "batched", "sequential")
     lora = _build(args.model, "lora", device, dtype)[0]
     bitune = _build(args.model, "bitune", device, dtype)[0]  # one model, its passes run each of the three ways
-    default = f"bitune_{bitune.execution()}"  # what prompt_passes="auto" trains with
+    default = f"bitune_{bitune.forward_path()}"  # what prompt_passes="auto" trains with
     runs = {"lora": (lora, None), **{f"bitune_{p}": (bitune, p) for p in paths}}
     opts = {id(m): torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for m in (lora, bitune)}
     vocab = lora.text_config.vocab_size
@@ -257,7 +257,7 @@ def bench_generate(args) -> dict:
 
     runners = {"bitune_batched": bitune_generate("batched"), "bitune_sequential": bitune_generate("sequential"),
                "lora": lora_generate, "base": base_generate}
-    default = f"bitune_{bitune.execution(answer=False)}"  # what prompt_passes="auto" reads prompts with
+    default = f"bitune_{bitune.prefill_path()}"  # what prompt_passes="auto" reads prompts with
     for fn in runners.values():
         fn(2, None)  # warm-up
     samples = {name: [] for name in runners}
@@ -343,8 +343,8 @@ def bench_data(args) -> dict:
               "time_ratio": total["bitune"] / total["lora"], "flop_ratio": flop,
               "padding_share": {"grouped": padding_share(lengths, grouped, B),
                                 "random": padding_share(lengths, shuffled, B),
-                                "grouped_one_pass": padding_share(lengths, grouped, B, prompt_passes=1),
-                                "random_one_pass": padding_share(lengths, shuffled, B, prompt_passes=1)}}
+                                "grouped_one_pass": padding_share(lengths, grouped, B, prompt_reads=1),
+                                "random_one_pass": padding_share(lengths, shuffled, B, prompt_reads=1)}}
     result["time_over_flop_ratio"] = result["time_ratio"] / flop
     pad = result["padding_share"]
     Console().print(

@@ -1,7 +1,7 @@
 """Length-grouped training order: batches of examples of similar prompt and answer lengths.
 
 A batch is padded to its longest prompt (twice over in a two-pass variant: once per prompt pass) and to its
-longest answer, so randomly drawn batches of ARC questions (prompts 20-180 tokens) are ~38% padding at batch 8.
+longest answer, so randomly drawn batches of prompts of widely spread lengths are mostly padding.
 :class:`LengthGroupedSampler` keeps the order random but groups similar lengths, the way transformers'
 ``LengthGroupedSampler`` does, with two differences: the cost it sorts by is two-dimensional (prompt and answer
 lengths) and its randomness comes only from ``seed`` and the epoch, so the order is the same in every process and
@@ -12,9 +12,8 @@ Per epoch: shuffle all examples with ``Generator(seed + epoch)``; cut the shuffl
 by the answer length ``A`` (instruction data: answers spread far wider than prompts), in both cases then by ``P``
 within runs of ``refine`` batches, and improve each arrangement by re-splitting pairs of nearby batches
 (``_resplit``); keep the cheaper arrangement; shuffle the order of all batches (so length does not drift
-monotonically through training). Padding at batch 8 (the share of computed positions, prompt counted per pass;
-mean of 5 seeds): ARC-Easy train 2.7%, ARC-Challenge 3.4%, CommonsenseQA 1.0%, alpaca_demo 9.1% (random
-batches: 38%, 57% for the last).
+monotonically through training). How much padding that leaves on real data is measured by ``bitune bench data``
+(numbers in the README's "Speed and memory"; ``tests/test_train_batches.py`` holds the bound on alpaca_demo).
 """
 
 from __future__ import annotations
@@ -26,18 +25,19 @@ from torch.utils.data import Sampler
 
 
 def padding_share(lengths: Sequence[tuple[int, int]], order: Sequence[int], batch_size: int,
-                  prompt_passes: int = 2) -> float:
+                  prompt_reads: int = 2) -> float:
     """Share of the computed positions that are padding when ``order`` is cut into batches of ``batch_size``.
 
-    A batch computes ``prompt_passes x max P + max A`` positions per example (the prompt once per pass), of which
-    ``prompt_passes x P_i + A_i`` are real.
+    A batch computes ``prompt_reads x max P + max A`` positions per example (the prompt once per prompt pass:
+    ``prompt_reads`` is a count, 2 for Bitune, 1 for one-pass methods), of which ``prompt_reads x P_i + A_i``
+    are real.
     """
     real = computed = 0
     for i in range(0, len(order), batch_size):
         batch = [lengths[j] for j in order[i:i + batch_size]]
         P, A = max(p for p, _ in batch), max(a for _, a in batch)
-        real += sum(prompt_passes * p + a for p, a in batch)
-        computed += len(batch) * (prompt_passes * P + A)
+        real += sum(prompt_reads * p + a for p, a in batch)
+        computed += len(batch) * (prompt_reads * P + A)
     return 1.0 - real / computed if computed else 0.0
 
 

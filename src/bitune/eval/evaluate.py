@@ -200,7 +200,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "model": config.base_model or model_name, "bitune": config.to_dict(),
             "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
-            "prompt_passes": model.execution(answer=False),
+            "prompt_passes": model.prefill_path(),
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3),

@@ -8,8 +8,7 @@ an atomic checkpoint (:mod:`.checkpoints`) when due. ``--resume`` restores weigh
 and skips the batches already consumed in the current epoch, so a resumed run ends bit-exact on the weights of
 an uninterrupted one (CPU).
 
-The loss is the **example mean**: each example's mean answer-token cross-entropy, averaged over the examples
-of the batch (every example weighs the same, whatever its length: the authors' batch-1 x accumulation setup).
+The loss is the example mean of each batch (:class:`bitune.model.BituneOutput`'s ``loss``).
 With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) the model runs
 in ``DistributedDataParallel``, each process takes its own ``batch_size`` examples of a global batch drawn in the
 order of one process with batch ``N x batch_size``, and DDP averages the gradients, so N processes x batch b
@@ -145,8 +144,8 @@ class BituneTrainer:
         return self.optimizer
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Example-mean loss of the batch: the mean over its B examples of each example's mean answer-token
-        cross-entropy (prompt_ids/mask (B, P), answer_ids/mask (B, A)); see the module docstring.
+        """Example-mean loss of the batch (:class:`bitune.model.BituneOutput`; prompt_ids/mask (B, P),
+        answer_ids/mask (B, A)).
 
         Raises:
             BituneError: the training loss is inf or NaN (training stops before the step is taken).

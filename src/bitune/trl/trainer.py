@@ -7,7 +7,7 @@ What changes against a plain ``SFTTrainer``, and why:
 - TRL swaps the model's ``forward`` for a fused LM head over one concatenated sequence; the swap is undone and
   :meth:`compute_loss` splits each right-padded batch into left-padded prompts and right-padded answers
   (:func:`~bitune.trl.rows.split_batch`) and calls ``BituneModel.forward``, the forward ``bitune train`` runs, so
-  the loss is the example mean (each example's mean answer-token cross-entropy, averaged over the batch);
+  the loss is the example mean (:class:`bitune.model.BituneOutput`);
 - the optimizer holds exactly ``model.trainable_parameters()``, the mixer's thetas without weight decay;
 - the example order comes from :mod:`bitune.data.sampling` (uniformly shuffled, or length-grouped by prompt and
   answer length with ``train_sampling_strategy="group_by_length"``), seeded by ``args.seed`` and the epoch only:

@@ -1,0 +1,125 @@
+"""Attention plumbing: the one place that talks to transformers' attention machinery.
+
+The fused forward (:mod:`bitune.fused`) and the packed scoring pass (:mod:`bitune.scoring`) each compute attention
+block by block over a layout of their own. What they share lives here: registering a block attention function with
+transformers' ``AttentionInterface`` (:func:`block_attention`), handing it the layout of the forward that runs
+(one ``ContextVar``), switching a model's attention implementation for one forward (:func:`attention_implementation`,
+:func:`running`), the model's own attention function a block computes with (:func:`inner_attention`), and the mask
+formats (:func:`check_implementation`, :func:`mask_format`: boolean for sdpa, additive for eager). ``fused`` and
+``scoring`` supply only their layouts and block functions; :mod:`bitune.masks` builds the prompt passes' masks.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+IMPLEMENTATIONS = ("eager", "sdpa")
+"""The model attention implementations Bitune's 4D masks are built and tested for."""
+
+
+# --------------------------------------------------------------------------------------------------- mask formats
+def check_implementation(name: str) -> None:
+    """Refuse attention implementations other than eager and sdpa (the 4D masks are tested with those)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {name!r} is not supported (Bitune passes its own 4D masks, "
+                         "tested with sdpa and eager); load the model with attn_implementation='sdpa' or 'eager'")
+
+
+def mask_format(ok: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean 4D mask (True = attend) in the form ``attn_implementation`` takes: as it is for sdpa, additive
+    for eager (0 where allowed, the dtype's minimum elsewhere, in the model's compute ``dtype``)."""
+    if attn_implementation != "eager":
+        return ok
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+
+
+# --------------------------------------------------------------------------------------------------- switching
+_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """Within this block, ``model`` computes attention with the registered implementation ``name``.
+
+    What ``model.set_attn_implementation`` does for a text model (every transformers submodel's config says which
+    attention function its layers call), without its walk over all modules and checks on every call (~15 ms on a
+    30-layer model, twice per forward): the configs are found once per model. Restored on exit, error or not.
+    """
+    configs = _CONFIGS.get(model)
+    if configs is None:
+        found = {id(m.config): m.config for m in model.modules() if isinstance(m, PreTrainedModel)}
+        configs = _CONFIGS[model] = list(found.values())
+    before = [c._attn_implementation_internal for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, before):
+            c._attn_implementation_internal = impl
+
+
+def inner_attention(module: nn.Module, name: str) -> Callable:
+    """The attention function ``name`` (``eager``: the module's own modeling file's) that a block computes with."""
+    if name == "eager":  # each modeling file has its own eager function (soft-capping, sinks, ...)
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"{type(module).__name__}: no eager attention function found; "
+                             "use attn_implementation='sdpa'")
+        return eager
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+# --------------------------------------------------------------------------------------------------- block attention
+@dataclass(frozen=True)
+class _Running:
+    name: str
+    layout: Any
+    inner: str
+
+
+_RUNNING: ContextVar[_Running | None] = ContextVar("bitune_block_attention", default=None)
+
+
+def block_attention(name: str):
+    """Register ``fn(module, query, key, value, attention_mask, layout, inner, **kwargs)`` as the attention
+    implementation ``name``: within :func:`running` it gets that forward's ``layout`` and ``inner``, the model's
+    own attention function (:func:`inner_attention`) to compute each block with."""
+    def register(fn: Callable) -> Callable:
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            run = _RUNNING.get()
+            if run is None or run.name != name:
+                raise RuntimeError(f"attention implementation {name!r} is only valid inside bitune's {name} forward")
+            return fn(module, query, key, value, attention_mask, run.layout, inner_attention(module, run.inner),
+                      **kwargs)
+
+        AttentionInterface.register(name, attention)
+        return fn
+    return register
+
+
+@contextmanager
+def running(model: nn.Module, name: str, layout: Any) -> Iterator[None]:
+    """Within this block ``model`` (a transformers model) computes attention with the block attention ``name``
+    (:func:`block_attention`) over ``layout``; its own implementation computes each block."""
+    token = _RUNNING.set(_Running(name, layout, model.config._attn_implementation))
+    try:
+        with attention_implementation(model, name):
+            yield
+    finally:
+        _RUNNING.reset(token)
+
+
+__all__ = ["IMPLEMENTATIONS", "attention_implementation", "block_attention", "check_implementation",
+           "inner_attention", "mask_format", "running"]
