@@ -5,6 +5,7 @@ the weights of 1; every refused option and row refused with one error naming it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,7 +117,8 @@ def test_loss_and_gradients_equal_bitune_forward(tmp_path):
     out = model(reference["prompt_ids"], reference["prompt_mask"], reference["answer_ids"], reference["answer_mask"])
     out.loss.backward()
     torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-6)
-    torch.testing.assert_close(loss, out.example_loss.mean(), rtol=0, atol=1e-6)  # the example mean
+    torch.testing.assert_close(loss, out.example_loss.mean(), rtol=0, atol=1e-6)  # the example mean,
+    assert abs(loss - (-out.token_logprobs.sum() / reference["answer_mask"].sum())) > 1e-4  # not TRL's token mean
     assert_same(got, {k: p.grad for k, p in model.trainable_parameters().items()}, atol=1e-6)
     assert all(g.abs().sum() > 0 for g in got.values())  # both adapters and the mixer learn
 
@@ -303,3 +305,28 @@ def test_a_plain_model_or_peft_config_is_refused(tmp_path):
     with pytest.raises(BituneError, match="peft_config= is refused"):
         BituneSFTTrainer(model=fresh_model(), args=sft_config(str(tmp_path)), train_dataset=data,
                          processing_class=tiny_tokenizer(), peft_config=object())
+
+
+# ------------------------------------------------------------------------------------------- the README script
+@pytest.mark.integration
+def test_readme_script_trains_smollm2_and_its_checkpoint_answers(tmp_path):
+    """examples/trl_sft.py (the README's script) shortened to 2 steps into a temporary folder, then
+    ``bitune generate --checkpoint`` on what it wrote (SmolLM2-135M, offline)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "trl_sft.py").read_text()
+    assert script.count("max_steps=30") == 1 and script.count('"runs/trl-chat"') == 1
+    short = tmp_path / "trl_sft.py"
+    short.write_text(script.replace("max_steps=30", "max_steps=2")
+                     .replace('"runs/trl-chat"', repr(str(tmp_path / "ck"))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    job = subprocess.run([sys.executable, str(short)], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert json.loads((tmp_path / "ck" / "bitune_config.json").read_text())["template"] == "chat"
+    job = subprocess.run([sys.executable, "-m", "bitune.cli", "generate", "--checkpoint", str(tmp_path / "ck"),
+                          "--prompt", "What is the capital of France?", "--max-new-tokens", "8"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0 and job.stdout.strip(), job.stderr[-3000:]

@@ -115,6 +115,9 @@ class BituneSFTTrainer(SFTTrainer):
         super().__init__(model=TrainerModel(model), args=args, train_dataset=train, eval_dataset=eval_dataset,
                          processing_class=processing_class, **kwargs)
         vars(self.model).pop("forward", None)  # undo TRL's fused-LM-head forward: Bitune's forward is the loss
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise BituneError("BituneSFTTrainer: FSDP and DeepSpeed are refused (the trainer saves and loads whole, "
+                              "unsharded Bitune weights); run data-parallel (DDP: configs/accelerate/ddp.yaml)")
 
     # trl/transformers read this: compute_loss returns the batch's example mean, Trainer divides by accumulation
     loss_is_scaled_for_ga = False
@@ -158,17 +161,19 @@ class BituneSFTTrainer(SFTTrainer):
 
     def _get_train_sampler(self, train_dataset=None):
         """Bitune's seed-and-epoch-determined order (:mod:`bitune.data.sampling`), length-grouped per global
-        batch (``per_device_train_batch_size`` x processes) with ``train_sampling_strategy="group_by_length"``."""
+        batch (``per_device_train_batch_size`` x processes) with ``train_sampling_strategy="group_by_length"``;
+        seeded by ``args.data_seed``, else ``args.seed``."""
         data = train_dataset if train_dataset is not None else self.train_dataset
         strategy = self.args.train_sampling_strategy
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         if strategy == "group_by_length":
             lengths = [(labels.count(-100), len(labels) - labels.count(-100)) for labels in data["labels"]]
             group = self.args.per_device_train_batch_size * self.accelerator.num_processes
-            return LengthGroupedSampler(lengths, group, seed=self.args.seed)
+            return LengthGroupedSampler(lengths, group, seed=seed)
         if strategy != "random":
             raise BituneError(f"train_sampling_strategy={strategy!r}: BituneSFTTrainer draws 'random' or "
                               "'group_by_length' orders")
-        return ShuffledSampler(len(data), self.args.seed)
+        return ShuffledSampler(len(data), seed)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
