@@ -302,6 +302,9 @@ def test_a_plain_model_or_peft_config_is_refused(tmp_path):
     with pytest.raises(BituneError, match="BituneModel or a base model name"):
         BituneSFTTrainer(model=tiny_model(), args=sft_config(str(tmp_path)), train_dataset=data,
                          processing_class=tiny_tokenizer())
+    with pytest.raises(BituneError, match="'pretrained' trains nothing"):
+        BituneSFTTrainer(model=fresh_model("pretrained"), args=sft_config(str(tmp_path)), train_dataset=data,
+                         processing_class=tiny_tokenizer())
     with pytest.raises(BituneError, match="peft_config= is refused"):
         BituneSFTTrainer(model=fresh_model(), args=sft_config(str(tmp_path)), train_dataset=data,
                          processing_class=tiny_tokenizer(), peft_config=object())

@@ -98,6 +98,8 @@ class BituneSFTTrainer(SFTTrainer):
                               ", ...)")
         _check_options(args, kwargs)
         model, processing_class = _bitune_model(model, bitune_config, processing_class)
+        if model.config.variant == "pretrained":
+            raise BituneError("BituneSFTTrainer: variant='pretrained' trains nothing; pick a trainable variant")
         if train_dataset is None:
             raise BituneError("BituneSFTTrainer needs a train_dataset")
         max_length = args.max_length
