@@ -47,12 +47,14 @@ class Interrupt(TrainerCallback):
 
 def train_tiny(output_dir: str, variant: str = "bitune", method: str = "lora", batch_size: int = 2,
                grad_accum: int = 2, steps: int = 4, save_every: int | None = None, resume: bool = False,
-               interrupt_at: int | None = None, lr: float = 1e-2):
+               interrupt_at: int | None = None, lr: float = 1e-2, fsdp: bool = False,
+               checkpointing: bool = False, clip: str = "all", max_grad_norm: float = 1.0):
     """Train a fresh tiny Llama (same initial weights every call) on :func:`samples`; returns the trainer."""
     settings = TrainSettings.from_dict(dict(
         model="tiny", dataset="tiny", output_dir=output_dir, batch_size=batch_size, grad_accum=grad_accum,
         steps=steps, lr=lr, log_every=1, seed=0, save_every=save_every, save_total_limit=None,
-        warmup_ratio=0.0, bitune={"variant": variant, "method": method}))
+        warmup_ratio=0.0, bitune={"variant": variant, "method": method}, fsdp=fsdp,
+        gradient_checkpointing=checkpointing, clip=clip, max_grad_norm=max_grad_norm))
     transformers.set_seed(settings.seed)
     model = perturb_adapters(BituneModel.wrap(tiny_model(), settings.bitune))  # LoRA B != 0: no all-zero grads
     trainer = build_trainer(model, settings, samples(), None, Collator(0), tensorboard=True)
@@ -64,7 +66,8 @@ def train_tiny(output_dir: str, variant: str = "bitune", method: str = "lora", b
 
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Run this file as a script in ``nproc`` gloo processes, one thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+    path = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(HERE / "dist_helpers.py"), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,19 +83,26 @@ def main() -> None:
     parser.add_argument("--save-every", type=int)
     parser.add_argument("--interrupt-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--method", default="lora")
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--clip", default="all")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.job == "train":
         try:
-            train_tiny(args.out, batch_size=args.batch_size, steps=args.steps, save_every=args.save_every,
-                       resume=args.resume, interrupt_at=args.interrupt_at)
+            train_tiny(args.out, method=args.method, batch_size=args.batch_size, steps=args.steps,
+                       save_every=args.save_every, resume=args.resume, interrupt_at=args.interrupt_at, fsdp=args.fsdp,
+                       checkpointing=args.checkpointing, clip=args.clip, max_grad_norm=args.max_grad_norm)
         except KeyboardInterrupt:
             sys.exit(3)
         return
     trained = {}
     for spec in args.variants.split(","):
         variant, method = spec.split(":")
-        trainer = train_tiny(f"{args.out}/{variant}-{method}", variant, method, batch_size=1, grad_accum=1, steps=2)
+        trainer = train_tiny(f"{args.out}/{variant}-{method}", variant, method, batch_size=1, grad_accum=1, steps=2,
+                             fsdp=args.fsdp)
         trained[spec] = trainer.state.global_step
     if int(os.environ["RANK"]) == 0:
         Path(args.out, "done.json").write_text(json.dumps(trained))

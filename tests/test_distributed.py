@@ -190,8 +190,7 @@ def test_accelerate_configs_parse(name, kind):
     env = prepare_multi_gpu_env(args)
     assert args.num_processes == 2
     if name == "fsdp":
-        assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_USE_ORIG_PARAMS"] == "true"
-        assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
-        assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer"
+        assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+        assert env["FSDP_RESHARD_AFTER_FORWARD"] == "true" and env["FSDP_OFFLOAD_PARAMS"] == "false"
     else:
         assert args.multi_gpu and "ACCELERATE_USE_FSDP" not in env

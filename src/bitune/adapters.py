@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .config import BituneConfig
+from .recompute import recorded
 
 WEIGHT_SETS = ("causal", "bidir")
 
@@ -146,7 +148,7 @@ class WeightSets(nn.Module):
         super().__init__()
         self.method = config.method
         self.names = config.weight_sets
-        self.bidir = nn.ParameterDict()
+        self.bidir_model: nn.Module | None = None
         self._lora_layers: list[LoraLinear] = []
         self._tuner_layers: list[BaseTunerLayer] = []
         for p in model.parameters():
@@ -157,9 +159,7 @@ class WeightSets(nn.Module):
                 for p in model.parameters():
                     p.requires_grad_(p.is_floating_point())
                 if "bidir" in self.names:
-                    for name, p in model.named_parameters():
-                        if p.is_floating_point():
-                            self.bidir[name.replace(".", "__")] = nn.Parameter(p.detach().clone())
+                    self.bidir_model = copy.deepcopy(model)  # the same weights to start, trained apart
             return
         if isinstance(model, PeftModel):
             raise ValueError("wrap() expects a plain transformers model, not a PeftModel: "
@@ -188,6 +188,10 @@ class WeightSets(nn.Module):
         """The underlying transformers model (with PEFT layers injected, if any)."""
         return self.model.get_base_model() if self.peft else self.model
 
+    def models(self) -> list[nn.Module]:
+        """The transformers models the weight sets run: the base (PEFT layers injected), and the full bidir copy."""
+        return [self.base] + ([self.bidir_model] if self.bidir_model is not None else [])
+
     @property
     def routable(self) -> bool:
         """Whether different weight sets can run on different rows or positions of one forward (plain LoRA)."""
@@ -206,12 +210,11 @@ class WeightSets(nn.Module):
         if name == "causal" or name not in self.names:
             return self.model(**kwargs)  # the causal weights are always PEFT's active adapter
         if self.method == "full":
-            params = {k.replace("__", "."): p for k, p in self.bidir.items()}
-            return torch.func.functional_call(self.model, params, args=(), kwargs=kwargs, strict=False)
+            return self.bidir_model(**kwargs)
         if self.routable:
-            with routed(self._lora_layers, Routing([(name, 1)])):
+            with recorded(routed, self._lora_layers, Routing([(name, 1)])):
                 return self.model(**kwargs)
-        with self._switched_to(name):
+        with recorded(self._switched_to, name):
             return self.model(**kwargs)
 
     def call_rows(self, names: list[str], **kwargs):
@@ -229,7 +232,7 @@ class WeightSets(nn.Module):
             return self.call(names[0], **kwargs)
         if not self.can_route(names):
             raise ValueError(f"method {self.method!r} cannot mix weight sets within one forward")
-        with routed(self._lora_layers, routing):
+        with recorded(routed, self._lora_layers, routing):
             return self.model(**kwargs)
 
     @contextmanager
@@ -253,9 +256,8 @@ class WeightSets(nn.Module):
         if name not in self.names:
             return {}
         if self.method == "full":
-            if name == "bidir":
-                return {k.replace("__", "."): p for k, p in self.bidir.items()}
-            return {k: p for k, p in self.model.named_parameters() if p.is_floating_point()}
+            model = self.bidir_model if name == "bidir" else self.model
+            return {k: p for k, p in model.named_parameters() if p.is_floating_point()}
         owned = set()
         for layer in self._tuner_layers:
             for attr in layer.adapter_layer_names:

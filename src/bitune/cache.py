@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 
 class PassComplete(Exception):
@@ -33,6 +33,52 @@ class PromptCache(DynamicCache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx == self.stop_after_layer:
+            raise PassComplete
+        return out
+
+
+def is_cache(value) -> bool:
+    """Whether ``value`` is a transformers cache (what a decoder layer writes its keys and values into)."""
+    return isinstance(value, Cache)
+
+
+class Replay:
+    """Stands in for ``cache`` in one checkpointed decoder-layer call (:mod:`bitune.recompute`).
+
+    The first ``update`` is the real one: it writes into ``cache`` and remembers what the layer held before. A
+    later ``update`` of the same layer is the recomputation in the backward pass: it returns what the first one
+    returned (the keys/values held before, then the recomputed new ones; for a cache whose ``update`` writes
+    nothing, such as the fused forward's, its own result again) and writes nothing, so nothing is appended
+    twice. A prompt pass that stopped after this layer's update (:class:`PassComplete`) stops again.
+    """
+
+    def __init__(self, cache):
+        self._cache = cache
+        self._first: dict[int, tuple] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx not in self._first:
+            layer = self._cache.layers[layer_idx] if layer_idx < len(self._cache.layers) else None
+            keys = getattr(layer, "keys", None)
+            before = (keys, layer.values) if keys is not None and keys.numel() else None
+            try:
+                out = self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+            except PassComplete:
+                self._first[layer_idx] = (before, True)
+                raise
+            self._first[layer_idx] = (before, False)
+            return out
+        before, stopped = self._first[layer_idx]
+        if getattr(self._cache, "writes_nothing", False):
+            out = self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+        elif before is not None:
+            out = torch.cat([before[0], key_states], dim=-2), torch.cat([before[1], value_states], dim=-2)
+        else:
+            out = key_states, value_states
+        if stopped:
             raise PassComplete
         return out
 

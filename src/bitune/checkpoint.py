@@ -34,26 +34,39 @@ MIXER_FILE = "mixer.safetensors"
 FULL_FILE = "model.safetensors"
 
 
-def save(model: BituneModel, directory: str | os.PathLike) -> None:
-    """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON)."""
+def save(model: BituneModel, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON).
+
+    Args:
+        tensors: the weights to write, named as :meth:`BituneModel.weight_tensors` names them (e.g. gathered from
+            a sharded model); default: the model's own.
+    """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
+    if tensors is None:
+        tensors = {k: p.detach() for k, p in model.weight_tensors().items()}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        part, name = key.split(":", 1)
+        parts.setdefault(part, {})[name] = t.detach().cpu().contiguous()
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     config, weights = model.config, model.weights
     try:
         (tmp / CONFIG_FILE).write_text(config.to_json())
         if model.mixer is not None:
-            save_file({k: p.detach().cpu().contiguous() for k, p in model.mixer.state_dict().items()},
-                      str(tmp / MIXER_FILE))
+            save_file(parts["mixer"], str(tmp / MIXER_FILE))
         if weights.peft:
-            weights.model.save_pretrained(str(tmp), selected_adapters=list(config.weight_sets))
+            state = {k: t for name in config.weight_sets for k, t in parts[name].items()}
+            weights.model.save_pretrained(str(tmp), selected_adapters=list(config.weight_sets), state_dict=state)
             (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
         elif config.method == "full" and config.weight_sets:
-            weights.model.save_pretrained(str(tmp / "causal"), max_shard_size="1000GB")
+            buffers = {k: v for k, v in weights.model.state_dict(keep_vars=True).items()
+                       if not isinstance(v, nn.Parameter)}
+            weights.model.save_pretrained(str(tmp / "causal"), state_dict={**buffers, **parts["causal"]},
+                                          max_shard_size="1000GB")
             if "bidir" in config.weight_sets:
                 (tmp / "bidir").mkdir()
-                save_file({k: p.detach().cpu().contiguous() for k, p in weights.bidir.items()},
-                          str(tmp / "bidir" / FULL_FILE))
+                save_file({k.replace(".", "__"): t for k, t in parts["bidir"].items()}, str(tmp / "bidir" / FULL_FILE))
         apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
         replace_dir(tmp, directory)
     except BaseException:
@@ -117,7 +130,7 @@ def load_weights(model: BituneModel, directory: str | os.PathLike) -> None:
                                  f"unexpected {unexpected[:3]})")
         else:
             path = directory / "bidir" / FULL_FILE
-            _copy_exactly(weights.bidir, _read_safetensors(path), path)
+            _copy_exactly({k.replace(".", "__"): p for k, p in params.items()}, _read_safetensors(path), path)
 
 
 def read_config(directory: str | os.PathLike) -> BituneConfig:
@@ -185,8 +198,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
 
 
-def _copy_exactly(params: nn.ParameterDict, state: dict, path: Path) -> None:
-    if set(state) != set(params.keys()):
+def _copy_exactly(params: dict[str, nn.Parameter], state: dict, path: Path) -> None:
+    if set(state) != set(params):
         raise ValueError(f"{path} does not match this model: different tensor names")
     with torch.no_grad():
         for k, p in params.items():

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from . import attention
 from .attention import block_attention, check_implementation, mask_format
 from .masks import allowed, per_layer_type, position_ids
+from .recompute import recorded
 
 NAME = "bitune_fused"
 
@@ -53,7 +54,7 @@ def fused_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ans
                       base.config._attn_implementation)
     positions = position_ids(mask)  # (B, T)
     answer_positions = position_ids(torch.cat([mask, step_mask], dim=1))[:, T:]  # (B, A)
-    with attention.running(base, NAME, FusedLayout(T, len(passes), read)):
+    with recorded(attention.running, base, NAME, FusedLayout(T, len(passes), read)):
         out = model.weights.call_segments(
             [(w, T) for w, _ in passes] + [("causal", A)],
             input_ids=torch.cat([ids] * len(passes) + [step_ids], dim=1),  # (B, S)
@@ -114,6 +115,9 @@ class FusedCache(DynamicCache):
         prompt_len: T, tokens per prompt pass.
         mix: the mixer (None for one prompt pass: the answer then reads that pass's keys directly).
     """
+
+    writes_nothing = True
+    """Its ``update`` only computes (a recomputation may call it again: :class:`bitune.cache.Replay`)."""
 
     def __init__(self, config, prompt_len: int, mix=None):
         super().__init__(config=config)

@@ -32,10 +32,12 @@ from torch import nn
 from . import cache as kv
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
+from .errors import BituneError
 from .fused import fused_logits
 from .inputs import check_answer, check_architecture, check_ids, check_prompt, context_room
 from .masks import position_ids
 from .mixer import Mixer
+from .recompute import checkpoint_layers
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
 
 
@@ -129,6 +131,14 @@ class BituneModel(nn.Module):
             params.update({f"mixer:{k}": p for k, p in self.mixer.named_parameters()})
         return params
 
+    def weight_tensors(self) -> dict[str, nn.Parameter]:
+        """Every tensor a checkpoint holds, named as in :meth:`trainable_parameters` (which is the subset that
+        requires a gradient): both weight sets whole, frozen parts included, and the mixing thetas."""
+        params = {f"{name}:{k}": p for name in self.config.weight_sets for k, p in self.weights.parameters_of(name).items()}
+        if self.mixer is not None:
+            params.update({f"mixer:{k}": p for k, p in self.mixer.named_parameters()})
+        return params
+
     def mixing_ratios(self) -> dict[str, torch.Tensor]:
         """Per-layer a_k and a_v, each (L,) float32; empty for variants without mixing."""
         return self.mixer.ratios() if self.mixer is not None else {}
@@ -142,6 +152,8 @@ class BituneModel(nn.Module):
         """
         weights = "bidir" if "bidir" in self.config.weight_sets else "causal"
         device = next(self.weights.base.parameters()).device
+        if device.type == "meta":  # shapes only (memory accounting): nothing can run, nothing is frozen
+            return
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         mask = torch.ones(1, 2, dtype=torch.long, device=device)
         with torch.enable_grad():
@@ -160,10 +172,37 @@ class BituneModel(nn.Module):
                 p.requires_grad_(False)
 
     # ----------------------------------------------------------------------------------------------- passes
+    def decoder_layers(self) -> list[nn.Module]:
+        """Every decoder layer of the weight sets' models (the causal model's, then the full bidir copy's), found
+        by the class names transformers lists in ``_no_split_modules``: the units activation checkpointing and
+        FSDP work on.
+
+        Raises:
+            BituneError: the model names no decoder layer class, or its layers are not found.
+        """
+        found = []
+        for model in self.weights.models():
+            names = set(getattr(model, "_no_split_modules", None) or ())
+            layers = [m for m in model.modules() if type(m).__name__ in names]
+            if not layers or len(layers) != self.num_layers:
+                raise BituneError(f"{type(model).__name__}: no list of {self.num_layers} decoder layers found "
+                                  f"(_no_split_modules={sorted(names)}); activation checkpointing and FSDP "
+                                  "need one module per decoder layer")
+            found += layers
+        return found
+
     def check_no_checkpointing(self) -> None:
-        """Refuse gradient checkpointing in training: it would drop the prompt caches the answer reads."""
-        if getattr(self.weights.base, "is_activation_checkpointing", False) and self.training:
-            raise ValueError("gradient checkpointing drops the prompt cache in training; disable it for Bitune")
+        """Refuse transformers' own gradient checkpointing in training: it drops the prompt caches the answer
+        reads (it sets ``use_cache=False``). :meth:`enable_checkpointing` is the one that keeps them."""
+        if any(getattr(m, "is_activation_checkpointing", False) for m in self.weights.models()) and self.training:
+            raise ValueError("transformers' gradient checkpointing (gradient_checkpointing_enable) drops the prompt "
+                             "cache in training; turn it off and use BituneModel.enable_checkpointing() "
+                             "(the 'gradient_checkpointing: true' setting of bitune train)")
+
+    def enable_checkpointing(self) -> None:
+        """Activation checkpointing per decoder layer in training (:mod:`bitune.recompute`): activations inside a
+        layer are recomputed in the backward pass; the prompt caches are kept, loss and gradients unchanged."""
+        checkpoint_layers(self.decoder_layers())
 
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
@@ -317,11 +356,12 @@ class BituneModel(nn.Module):
         return Prefill(state.cache, torch.cat([state.ids, state.last_token], dim=1), mask, token)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`."""
+    def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`
+        (``tensors``: the weights to write, e.g. gathered from a sharded model)."""
         from .checkpoint import save  # checkpoint imports this module
 
-        save(self, directory)
+        save(self, directory, tensors)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,

@@ -55,6 +55,18 @@ def configure(parser) -> None:
                     help="override a setting, e.g. --set batch_size=8")
     da.add_argument("--steps", type=int, default=6, help="timed optimizer steps per method (after 1 warm-up)")
     da.add_argument("--output", default=None, help="also write the results as JSON here")
+    sh = sub.add_parser("sharding", help="per-process parameter, gradient and AdamW bytes under DDP vs FSDP2, and "
+                                         "activation bytes with checkpointing on vs off (starts N processes)")
+    sh.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
+    sh.add_argument("--method", default="full", help="Bitune's fine-tuning method (default full: two weight copies)")
+    sh.add_argument("--num-processes", type=int, default=2, help="processes to shard over (gloo on CPU)")
+    sh.add_argument("--prompt", type=int, default=64, help="prompt tokens of the random batch")
+    sh.add_argument("--answer", type=int, default=64, help="answer tokens of the random batch")
+    sh.add_argument("--batch-size", type=int, default=1, help="examples per process")
+    sh.add_argument("--meta", action="store_true",
+                    help="count static bytes on the meta device (no step): for models too large to replicate here")
+    sh.add_argument("--output", default=None, help="also write the results as JSON here")
+    sh.add_argument("--threads", type=int, default=None, help="threads per process (default 1)")
     for p in (tr, ge, da):
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
@@ -66,7 +78,7 @@ def run(args) -> int:
         raise ValueError("bench generate needs --prompt-tokens >= 2, --new-tokens >= 2 and --repeats >= 1")
     if args.bench == "train" and (args.steps < 1 or args.batch_size < 1):
         raise ValueError("bench train needs --steps >= 1 and --batch-size >= 1")
-    if args.threads is not None:
+    if args.threads is not None and args.bench != "sharding":
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: needs a positive number of threads")
         torch.set_num_threads(args.threads)
@@ -74,7 +86,12 @@ def run(args) -> int:
         raise ValueError("bench data needs --steps >= 1")
     if args.output:
         check_output_file(args.output, "--output")  # before the benchmark runs
-    result = {"train": bench_train, "generate": bench_generate, "data": bench_data}[args.bench](args)
+    if args.bench == "sharding":
+        from .bench_sharding import bench_sharding
+
+        result = bench_sharding(args)
+    else:
+        result = {"train": bench_train, "generate": bench_generate, "data": bench_data}[args.bench](args)
     if args.output:
         write_text_atomic(Path(args.output), json.dumps(result, indent=2))
     return 0

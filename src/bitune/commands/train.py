@@ -54,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "  bitune train --config configs/tasks/piqa.yaml --set seed=43\n"
                           "  bitune train --config configs/tasks/piqa.yaml --config configs/methods/lora16.yaml\n"
                           "  bitune train --config configs/tasks/piqa.yaml --num-processes 2   # data-parallel (DDP)\n"
+                          "  bitune train --config configs/tasks/piqa.yaml --num-processes 2 --fsdp   # sharded (FSDP2)\n"
                           "batch_size is per process: N processes give a global batch of N x batch_size x "
                           "grad_accum.")
     parser.epilog = settings_help()
@@ -72,6 +73,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-processes", type=int, default=1, metavar="N",
                         help="train data-parallel in N processes on this machine (one per GPU; gloo on CPU), "
                              "launched through torch.distributed.run; not needed under torchrun/accelerate launch")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard parameters, gradients and optimizer state over the processes (FSDP2) instead of "
+                             "replicating them (DDP); the same as --set fsdp=true")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the settings (and that output_dir can be written), print them resolved and "
                              "exit without training")
@@ -79,7 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = load_settings(args.config, args.overrides)
+    settings = load_settings(args.config, args.overrides + (["fsdp=true"] if args.fsdp else []))
     settings.check_dataset()
     check_output_dir(settings.output_dir, "output_dir")
     if args.dry_run:
@@ -104,6 +108,8 @@ def train_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--set", override]
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
+    if args.fsdp:
+        argv += ["--fsdp"]
     return argv + (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
 
 

@@ -22,6 +22,7 @@ from ..checkpoint import read_config
 from ..errors import BituneError
 from ..files import replace_dir, write_text_atomic
 from ..model import BituneModel
+from . import sharding
 from .run_folder import CHECKPOINT_PREFIX, STATE_FILE, rng_file, rotate
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -51,19 +52,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model: BituneModel, optimizer, scheduler, state: dict[str, Any],
-                    accelerator, keep: int | None) -> None:
+                    accelerator, keep: int | None, sharded: bool = False) -> None:
     """Write ``root/checkpoint-<step>`` atomically and keep the newest ``keep`` checkpoints.
 
     Every process calls it (each writes its RNG state); the main process writes the rest, renames and rotates.
+    With ``sharded`` (FSDP) weights and optimizer state are gathered first: the files are the same as unsharded.
     """
     main = accelerator.is_main_process
+    tensors = sharding.gathered(model.weight_tensors(), keep=main) if sharded else None
+    optimizer_state = sharding.optimizer_state(optimizer, keep=main) if sharded else optimizer.state_dict()
     name = f"{CHECKPOINT_PREFIX}{step}"
     staging = root / f".staging-{name}"
     try:
         if main:
             shutil.rmtree(staging, ignore_errors=True)
-            model.save_pretrained(staging)  # replaces the staging folder: first, before any other file
-            torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
+            model.save_pretrained(staging, tensors)  # replaces the staging folder: first, before any other file
+            torch.save(optimizer_state, staging / OPTIMIZER_FILE)
             torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
         accelerator.wait_for_everyone()  # the staging folder exists for every process
         torch.save(rng_state(), staging / rng_file(accelerator.process_index, accelerator.num_processes))
@@ -79,15 +83,22 @@ def save_checkpoint(root: Path, step: int, model: BituneModel, optimizer, schedu
     accelerator.wait_for_everyone()  # checkpoint-N exists for every process once this returns
 
 
-def load_checkpoint(path: Path, model: BituneModel, optimizer, scheduler) -> dict[str, Any]:
-    """Load weights (strictly; the config must match), optimizer and scheduler; return the JSON state."""
+def load_checkpoint(path: Path, model: BituneModel, optimizer, scheduler, weights: bool = True) -> dict[str, Any]:
+    """Load weights (strictly; the config must match), optimizer and scheduler; return the JSON state.
+
+    Args:
+        weights: also load the weights (False: the caller loaded them before sharding the model). Optimizer
+            state of sharded parameters is cut to this process's shards.
+    """
     saved = read_config(path)
     if saved != model.config:
         raise BituneError(f"{path} was trained with {saved}, this run uses {model.config}; use a new output_dir "
                           "for a different model")
-    model.load_weights(path)
+    if weights:
+        model.load_weights(path)
     state = json.loads((path / STATE_FILE).read_text())
-    optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(sharding.shard_optimizer_state(optimizer, optimizer_state))  # as is when unsharded
     scheduler.load_state_dict(torch.load(path / SCHEDULER_FILE, map_location="cpu", weights_only=True))
     return {k: state[k] for k in STATE_KEYS}
 

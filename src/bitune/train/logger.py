@@ -35,13 +35,13 @@ class JsonlLogger:
         else:
             self.writer = SummaryWriter(str(self.tb_dir))
 
-    def log(self, step: int, values: dict[str, Any], model=None) -> dict[str, Any]:
-        """Append one record: ``values``' numbers, ``model``'s mixing ratios (L,) each, the time since start."""
+    def log(self, step: int, values: dict[str, Any], ratios: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Append one record: ``values``' numbers, the mixing ratios (``{"k": (L,), "v": (L,)}``), the time since
+        start."""
         record: dict[str, Any] = {"step": step}
         record.update({k: v for k, v in values.items() if isinstance(v, (int, float))})
-        if model is not None:
-            for k, ratios in model.mixing_ratios().items():  # (L,) each
-                record[f"a_{k}"] = [round(float(a), 6) for a in ratios]
+        for k, layer_ratios in (ratios or {}).items():  # (L,) each
+            record[f"a_{k}"] = [round(float(a), 6) for a in layer_ratios]
         record["elapsed_s"] = round(time.time() - self.start, 2)
         append_jsonl(self.path, record)
         if self.writer is not None:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from accelerate.utils import DistributedDataParallelKwargs
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 
@@ -39,6 +39,7 @@ from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
 from ..model import BituneModel
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
+from . import sharding
 from .logger import JsonlLogger
 from .run_folder import (FINAL_DIR, LOG_FILE, RunStart, append_jsonl, check_world_size, checkpoint_step, checkpoints,
                          start_run, truncate_log)
@@ -78,11 +79,16 @@ class BituneTrainer:
             raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
         bf16, use_cpu = resolve_bf16(settings.bf16)
         transformers.set_seed(settings.seed)
-        self.accelerator = Accelerator(cpu=use_cpu, mixed_precision="bf16" if bf16 else "no",
+        fsdp = sharding.fsdp_options(settings.fsdp)
+        self.fsdp, self._reshard = fsdp.shard, fsdp.reshard_after_forward
+        self.bf16 = bf16
+        self.accelerator = Accelerator(cpu=use_cpu, mixed_precision="bf16" if bf16 and not self.fsdp else "no",
                                        kwargs_handlers=[ddp_kwargs()])
-        if self.accelerator.distributed_type == DistributedType.FSDP:
-            raise BituneError("FSDP is not supported by bitune train; run data-parallel (DDP: torchrun, "
-                              "--num-processes or configs/accelerate/ddp.yaml)")
+        if self.fsdp and self.accelerator.num_processes < 2:
+            raise BituneError("fsdp shards over several processes; this run has one: use --num-processes N, "
+                              "torchrun or accelerate launch")
+        if settings.gradient_checkpointing or fsdp.checkpointing:
+            model.enable_checkpointing()
         self.model = model
         self.settings = settings
         self.train_dataset, self.eval_dataset, self.collator = train_data, eval_data, collator
@@ -95,7 +101,7 @@ class BituneTrainer:
         self.scheduler = None
         self.callbacks: list[Any] = []
         self.logger = JsonlLogger(Path(settings.output_dir), tensorboard) if self.is_main else None
-        self._wrapped = None  # the model as prepared by the accelerator (DDP-wrapped with several processes)
+        self._wrapped = None  # the model as trained: DDP-wrapped with several processes, or sharded in place
         self._positions = (0, 0)  # (real, computed) positions of the training batches since the last log
         self._window, self._window_steps = torch.zeros(()), 0  # summed step losses since the last log, steps
         self._bar = None
@@ -105,8 +111,12 @@ class BituneTrainer:
 
     @property
     def wrapped(self) -> torch.nn.Module:
+        """The model as trained; sharding replaces its parameters, so it is made before the optimizer."""
         if self._wrapped is None:
-            self._wrapped = self.accelerator.prepare_model(self.model)
+            if self.fsdp:
+                self._wrapped = sharding.shard(self.model, self.bf16, self._reshard)
+            else:
+                self._wrapped = self.accelerator.prepare_model(self.model)
         return self._wrapped
 
     # ---------------------------------------------------------------------------------------------- data
@@ -168,11 +178,11 @@ class BituneTrainer:
         norms = {f"grad_norm_{name}": _norm(ps) for name, ps in groups.items() if ps}
         limit = self.settings.max_grad_norm
         if limit > 0 and self.settings.clip == "all":
-            total = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), limit))
+            total = sharding.clip(self.model.parameters(), limit)
         else:
             total = _norm(groups["adapters"] + groups["mixer"])
             if limit > 0:
-                torch.nn.utils.clip_grad_norm_(groups["adapters"], limit)
+                sharding.clip(groups["adapters"], limit)
         return {"grad_norm": total, **norms}
 
     def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
@@ -196,9 +206,21 @@ class BituneTrainer:
         Raises:
             BituneError: naming a non-finite trained tensor.
         """
-        bad = [k for k, p in self.model.trainable_parameters().items() if not bool(torch.isfinite(p).all())]
+        params = self.model.trainable_parameters()
+        bad = [k for k, p in params.items() if not bool(torch.isfinite(sharding.local(p.detach())).all())]
+        if self.fsdp:  # each process checks its shards; all stop together
+            flags = self.accelerator.reduce(torch.tensor([k in bad for k in params], device=self.accelerator.device,
+                                                         dtype=torch.int32), reduction="sum")
+            bad = [k for k, f in zip(params, flags.tolist()) if f]
         if bad:
             raise BituneError(self._diverged(f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"))
+
+    def save_model(self, directory: Path) -> None:
+        """Write the standard Bitune checkpoint of the model into ``directory`` from the main process (every process
+        calls this: sharded weights are gathered first)."""
+        tensors = sharding.gathered(self.model.weight_tensors(), keep=self.is_main) if self.fsdp else None
+        if self.is_main:
+            self.model.save_pretrained(directory, tensors)
 
     # ---------------------------------------------------------------------------------------------- the loop
     def train(self, resume_from: Path | None = None) -> dict[str, float]:
@@ -209,11 +231,17 @@ class BituneTrainer:
         loader = self.get_train_dataloader(sampler)
         steps_per_epoch = max(math.ceil(len(loader) / s.grad_accum), 1)  # len: this process's micro-batches
         total = s.steps if s.steps is not None else math.ceil(s.epochs * steps_per_epoch)
+        if resume_from is not None:
+            if self._wrapped is not None and self.fsdp:
+                raise BituneError("resume: the model was sharded before its weights were loaded")
+            self.model.load_weights(resume_from)  # before sharding: the checkpoint holds whole tensors
+        self.wrapped  # noqa: B018 (sharding replaces the parameters the optimizer takes)
         self.create_optimizer()
         self.scheduler = transformers.get_linear_schedule_with_warmup(
             self.optimizer, math.ceil(total * s.warmup_ratio), total)
         if resume_from is not None:
-            self.state = TrainState(**load_checkpoint(resume_from, self.model, self.optimizer, self.scheduler))
+            self.state = TrainState(**load_checkpoint(resume_from, self.model, self.optimizer, self.scheduler,
+                                                      weights=False))
         start, began = self.state.global_step, time.time()
         first_epoch, done = divmod(start, steps_per_epoch)
         if self.logger is not None:
@@ -274,7 +302,9 @@ class BituneTrainer:
         model, acc = self.wrapped, self.accelerator
         model.train()
         for i, inputs in enumerate(group):
-            with contextlib.nullcontext() if i == len(group) - 1 else acc.no_sync(model):
+            if self.fsdp:  # reduce-scatter once, after the last micro-batch (accumulate unsharded until then)
+                model.set_requires_gradient_sync(i == len(group) - 1)
+            with contextlib.nullcontext() if i == len(group) - 1 or self.fsdp else acc.no_sync(model):
                 loss = self.compute_loss(model, inputs) / len(group)
                 acc.backward(loss)
             self._window += loss.detach()
@@ -307,7 +337,7 @@ class BituneTrainer:
         if save:
             self.check_finite()  # a diverged model never replaces a good checkpoint
             save_checkpoint(Path(s.output_dir), step, self.model, self.optimizer, self.scheduler, asdict(self.state),
-                            self.accelerator, s.save_total_limit)
+                            self.accelerator, s.save_total_limit, sharded=self.fsdp)
 
     def evaluate(self) -> dict[str, float]:
         """``eval_loss``: the mean over the validation examples of each example's loss (logged too)."""
@@ -332,8 +362,11 @@ class BituneTrainer:
         return {"padding_share": round(1.0 - real / computed, 4)} if computed else {}
 
     def _log(self, values: dict[str, float]) -> None:
+        ratios = self.model.mixing_ratios()  # (L,) each
+        if self.fsdp:  # the thetas are sharded: every process gathers them
+            ratios = {k: sharding.full(a) for k, a in ratios.items()}
         if self.logger is not None:
-            self.logger.log(self.state.global_step, values, self.model)
+            self.logger.log(self.state.global_step, values, ratios)
 
 
 @dataclass
@@ -355,9 +388,8 @@ def ddp_kwargs() -> DistributedDataParallelKwargs:
 
 
 def _norm(params: list[torch.Tensor]) -> float:
-    """Global L2 norm of the gradients of ``params`` (0 when none has a gradient)."""
-    grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
+    """Global L2 norm of the gradients of ``params`` (0 when none has a gradient; sharded ones reduced)."""
+    return sharding.total_norm(params)
 
 
 def _progress(total: int, start: int, disable: bool):
@@ -435,8 +467,7 @@ def _run_training(trainer: BituneTrainer, run: RunStart, first_log: dict[str, An
         metrics.update(trainer.evaluate())
     trainer.check_finite()  # never write a diverged model as final/
     final = out / FINAL_DIR
-    if main:
-        trainer.model.save_pretrained(final)  # written in a temporary folder and renamed into place
+    trainer.save_model(final)  # written in a temporary folder and renamed into place
     wait()
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     return TrainResult(output_dir=out, final_dir=final, metrics=metrics)
