@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from gen_helpers import save_checkpoint
 
 from bitune.cli import main
@@ -87,3 +88,27 @@ def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests
         assert len(out[f"{name}_s"]) == 2 and out[f"{name}_questions_per_s"] > 0
     assert out["max_abs_logprob_diff"] < 1e-4 and out["greedy_agree"]  # pretrained scores = lm-eval's hf
     assert len(out["load_average_before"]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("meta", [False, True])
+def test_bench_sharding_halves_static_memory_and_checkpointing_cuts_activations(tmp_path, meta):
+    """2 processes: FSDP2 holds half of DDP's parameters, gradients and AdamW state per process; checkpointing
+    saves fewer activations; counting on the meta device gives the same parameter bytes as a real step."""
+    save_checkpoint(tmp_path)
+    out = tmp_path / "sharding.json"
+    assert main(["bench", "sharding", "--model", str(tmp_path / "base"), "--prompt", "8", "--answer", "4",
+                 "--output", str(out)] + (["--meta"] if meta else [])) == 0
+    runs = {(r["wrap"], r["checkpointing"]): r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {(w, c) for w in ("ddp", "fsdp") for c in (False, True)}
+    for c in (False, True):
+        ddp, fsdp = runs["ddp", c], runs["fsdp", c]
+        assert fsdp["static_vs_ddp"] == fsdp["static"] / ddp["static"] <= 0.55
+        assert fsdp["params"] * 2 >= ddp["params"] and fsdp["optimizer"] * 2 >= ddp["optimizer"] > 0
+    for w in ("ddp", "fsdp"):
+        assert 0 < runs[w, True]["activation_bytes"] < runs[w, False]["activation_bytes"]
+
+
+def test_bench_sharding_needs_two_processes(capsys):
+    assert main(["bench", "sharding", "--num-processes", "1"]) == 2
+    assert "--num-processes >= 2" in capsys.readouterr().err

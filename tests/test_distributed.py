@@ -128,8 +128,9 @@ def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
 
 # ------------------------------------------------------------------------------------------- launching
 @pytest.mark.slow
-def test_cli_num_processes_trains_data_parallel(tmp_path):
-    """``bitune train --num-processes 2`` on a local tiny model and a JSONL file, end to end."""
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_cli_num_processes_trains_data_parallel(tmp_path, fsdp):
+    """``bitune train --num-processes 2 [--fsdp]`` on a local tiny model and a JSONL file, end to end."""
     from eval_helpers import tiny_tokenizer
 
     base = tmp_path / "base"
@@ -142,7 +143,7 @@ def test_cli_num_processes_trains_data_parallel(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bitune.cli", "train", "--num-processes", "2", "--set", f"model={base}",
            "--set", f"dataset={data}", "--set", f"output_dir={out}", "--set", "steps=2", "--set", "batch_size=2",
-           "--set", "grad_accum=1", "--set", "log_every=1", "--set", "max_length=64"]
+           "--set", "grad_accum=1", "--set", "log_every=1", "--set", "max_length=64"] + (["--fsdp"] if fsdp else [])
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     check(job)
     assert job.stdout.count("bitune train: final model in") == 1  # one process reports
@@ -150,6 +151,7 @@ def test_cli_num_processes_trains_data_parallel(tmp_path):
     records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert records[0]["event"] == "data" and records[0]["train_examples"] == 8
+    assert f"fsdp: {str(fsdp).lower()}" in (out / "settings.yaml").read_text()
 
 
 def test_num_processes_is_refused_inside_a_launched_job(monkeypatch):

@@ -9,11 +9,13 @@ optionally with per-layer activation checkpointing, takes one AdamW step on a ra
   (:func:`bitune.train.sharding.state_bytes`). DDP replicates all three (its gradient buckets, one more gradient
   copy, are not counted); FSDP2 holds 1/N of each;
 - **activation bytes**: the distinct storages autograd saves for the backward during the step's forward
-  (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded): deterministic, and what checkpointing cuts.
+  (``torch.autograd.graph.saved_tensors_hooks``; parameters and views of them excluded): deterministic, and what
+  checkpointing cuts.
 
-``--meta`` builds the model on the meta device and counts the static bytes only (no step: parameters, gradients
+``--meta`` builds the model on the meta device and counts the static bytes without a step (parameters, gradients
 and AdamW state are created as meta tensors of the shapes a step would make), for models whose replicated state
-does not fit this machine. The meta model cannot run the probe that freezes the bidir weights no gradient
+does not fit this machine; the activation bytes then come from one forward of the main process on a model of the
+same shapes with random weights (no backward, no optimizer). The meta model cannot run the probe that freezes the bidir weights no gradient
 reaches (the last layer's q, o and MLP), so it counts their gradients and AdamW state too: slightly more than a
 real step (compare both on a model that fits).
 """
@@ -87,11 +89,25 @@ def _model(name: str, method: str, meta: bool):
         return BituneModel.wrap(AutoModelForCausalLM.from_config(hf_config), config).train()
 
 
+class _ActivationBytes:
+    """Bytes of the distinct storages autograd saves for the backward, parameters and views of parameters (the
+    ``weight.t()`` a linear layer saves; FSDP's gathered parameters too) excluded: activations only."""
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        base = t if t._base is None else t._base
+        if not isinstance(base, torch.nn.Parameter) and not (base.requires_grad and base.is_leaf):
+            s = t.untyped_storage()
+            self.storages[s.data_ptr()] = s.nbytes()
+        return t
+
+
 def _measure(args, wrap: str, checkpointing: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from ..train import sharding
-    from .bench import _SavedBytes
 
     torch.manual_seed(0)
     model = _model(args.model, args.method, args.meta)
@@ -112,7 +128,7 @@ def _measure(args, wrap: str, checkpointing: bool) -> dict:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.prompt), generator=g)
         answer = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.answer), generator=g)
-        counter = _SavedBytes()
+        counter = _ActivationBytes()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             loss = trained(prompt, torch.ones_like(prompt), answer, torch.ones_like(answer)).loss
         loss.backward()
@@ -122,6 +138,33 @@ def _measure(args, wrap: str, checkpointing: bool) -> dict:
     held = sharding.state_bytes(model, optimizer)
     return {"wrap": wrap, "checkpointing": checkpointing, **held, "static": sum(held.values()),
             "activation_bytes": saved}
+
+
+def _activations(args) -> dict[bool, int]:
+    """Activation bytes of one forward with checkpointing off and on, on a model of the same shapes with random
+    weights (what autograd saves depends on shapes, not values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..config import BituneConfig
+    from ..hub import resolve_model
+    from ..model import BituneModel
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(args.model)))
+    model = BituneModel.wrap(base, BituneConfig(variant="bitune", method=args.method)).train()
+    vocab = model.text_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.prompt), generator=g)
+    answer = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.answer), generator=g)
+    out = {}
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.enable_checkpointing()
+        counter = _ActivationBytes()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            model(prompt, torch.ones_like(prompt), answer, torch.ones_like(answer))
+        out[checkpointing] = sum(counter.storages.values())
+    return out
 
 
 def main() -> None:
@@ -135,7 +178,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    runs = [_measure(args, wrap, ckpt) for wrap, ckpt in RUNS if not (args.meta and ckpt)]
+    if args.meta:  # static bytes on meta tensors; activations from one real forward of rank 0 (random weights)
+        static = {wrap: _measure(args, wrap, False) for wrap in ("ddp", "fsdp")}
+        acts = _activations(args) if dist.get_rank() == 0 else {}
+        dist.barrier()
+        runs = [{**static[wrap], "checkpointing": ckpt, "activation_bytes": acts.get(ckpt)} for wrap, ckpt in RUNS]
+    else:
+        runs = [_measure(args, wrap, ckpt) for wrap, ckpt in RUNS]
     ddp = {r["checkpointing"]: r["static"] for r in runs if r["wrap"] == "ddp"}
     for r in runs:
         r["static_vs_ddp"] = r["static"] / ddp[r["checkpointing"]]

@@ -93,7 +93,7 @@ def shard(model: BituneModel, bf16: bool, reshard_after_forward: bool | None = N
         raise BituneError("fsdp: no process group; FSDP shards over several processes: run with --num-processes "
                           "N, torchrun or accelerate launch")
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh("cuda" if device.type == "cuda" else "cpu", (dist.get_world_size(),))  # or meta
     fp32 = MixedPrecisionPolicy()
     layer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else fp32
     kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
