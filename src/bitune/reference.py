@@ -105,7 +105,7 @@ def _forward(model, weight_set: str, **kwargs):
     if weight_set not in model.config.weight_sets:
         weight_set = "causal"
     if weights.method == "full" and weight_set == "bidir":
-        params = {name.replace("__", "."): p for name, p in weights.bidir.items()}
+        params = dict(weights.bidir_model.named_parameters())  # the copy's weights on the causal model
         return torch.func.functional_call(weights.model, params, args=(), kwargs=kwargs, strict=False)
     if not weights.peft:
         return weights.model(**kwargs)

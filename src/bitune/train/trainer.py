@@ -235,7 +235,7 @@ class BituneTrainer:
             if self._wrapped is not None and self.fsdp:
                 raise BituneError("resume: the model was sharded before its weights were loaded")
             self.model.load_weights(resume_from)  # before sharding: the checkpoint holds whole tensors
-        self.wrapped  # noqa: B018 (sharding replaces the parameters the optimizer takes)
+        _ = self.wrapped  # before the optimizer: sharding replaces the parameters it takes
         self.create_optimizer()
         self.scheduler = transformers.get_linear_schedule_with_warmup(
             self.optimizer, math.ceil(total * s.warmup_ratio), total)
