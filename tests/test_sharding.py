@@ -69,6 +69,16 @@ def test_fsdp_full_with_checkpointing_and_adapter_clipping_matches_one_process(t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["dora", "ia3"])
+def test_fsdp_unroutable_peft_methods_match_one_process(tmp_path, method):
+    """DoRA and IA3 switch PEFT's active adapter for the bidir pass (the sequential path) inside sharded layers."""
+    run = tmp_path / "run"
+    check(torchrun(2, "train", "--out", str(run), "--fsdp", "--method", method, "--steps", "4", *CLIP))
+    weights, _ = one_process(tmp_path / "one", method=method, max_grad_norm=LIMIT)
+    assert_same_weights(final_weights(run), weights)
+
+
+@pytest.mark.slow
 def test_ddp_with_checkpointing_matches_one_process(tmp_path):
     run = tmp_path / "run"
     check(torchrun(2, "train", "--out", str(run), "--checkpointing", "--steps", "4"))
@@ -112,3 +122,12 @@ def test_accelerate_fsdp_config_turns_sharding_on(monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(BituneError, match="fsdp_version: 2"):
         fsdp_options(False)
+
+
+def test_cli_fsdp_in_one_process_fails_before_loading(tmp_path, capsys, monkeypatch):
+    from bitune.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--fsdp", "--set", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "fsdp shards over several processes" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
+    if settings.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise BituneError("fsdp shards over several processes; this run has one: add --num-processes N, or run "
+                          "under torchrun or accelerate launch")
     from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
 
     train(settings, resume=args.resume, overwrite=args.overwrite)  # takes the run folder first (start_run)
