@@ -112,3 +112,5 @@ def test_bench_sharding_halves_static_memory_and_checkpointing_cuts_activations(
 def test_bench_sharding_needs_two_processes(capsys):
     assert main(["bench", "sharding", "--num-processes", "1"]) == 2
     assert "--num-processes >= 2" in capsys.readouterr().err
+    assert main(["bench", "sharding", "--prompt", "1"]) == 2
+    assert "--prompt >= 2" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import transformers
 from rich.console import Console
 from rich.table import Table
 
-from ..config import BituneConfig
+from ..config import METHODS, BituneConfig
 from ..data.collate import Collator, pad_id
 from ..data.sampling import grouped_order, padding_share
 from ..files import check_output_file, write_text_atomic
@@ -58,7 +58,8 @@ def configure(parser) -> None:
     sh = sub.add_parser("sharding", help="per-process parameter, gradient and AdamW bytes under DDP vs FSDP2, and "
                                          "activation bytes with checkpointing on vs off (starts N processes)")
     sh.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
-    sh.add_argument("--method", default="full", help="Bitune's fine-tuning method (default full: two weight copies)")
+    sh.add_argument("--method", default="full", choices=sorted(METHODS),
+                    help="Bitune's fine-tuning method (default full: two weight copies)")
     sh.add_argument("--num-processes", type=int, default=2, help="processes to shard over (gloo on CPU)")
     sh.add_argument("--prompt", type=int, default=64, help="prompt tokens of the random batch")
     sh.add_argument("--answer", type=int, default=64, help="answer tokens of the random batch")
@@ -82,6 +83,8 @@ def run(args) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: needs a positive number of threads")
         torch.set_num_threads(args.threads)
+    if args.bench == "sharding" and (args.prompt < 2 or args.answer < 1 or args.batch_size < 1):
+        raise ValueError("bench sharding needs --prompt >= 2, --answer >= 1 and --batch-size >= 1")
     if args.bench == "data" and args.steps < 1:
         raise ValueError("bench data needs --steps >= 1")
     if args.output:
