@@ -226,6 +226,18 @@ def test_saved_model_loads_and_generates_the_same_tokens(tmp_path):
     assert torch.equal(loaded.generate(*args, max_new_tokens=8), model.generate(*args, max_new_tokens=8))
 
 
+def test_saving_over_another_checkpoint_leaves_none_of_its_parts(tmp_path):
+    sft_trainer(str(tmp_path / "a")).save_model(str(tmp_path / "final"))  # bitune: causal/, bidir/, mixer
+    assert (tmp_path / "final" / "bidir").is_dir() and (tmp_path / "final" / "mixer.safetensors").is_file()
+    baseline = sft_trainer(str(tmp_path / "b"), model=fresh_model("lora"))
+    baseline.save_model(str(tmp_path / "final"))
+    assert sorted(p.name for p in (tmp_path / "final").iterdir() if not p.name.startswith("tokenizer")) == [
+        "bitune_config.json", "causal"]
+    loaded = BituneModel.from_pretrained(tmp_path / "final", base=tiny_model())
+    assert loaded.config.variant == "lora"
+    assert_same(trainable(loaded), trainable(baseline.bitune_model), atol=0)
+
+
 def test_a_named_model_is_loaded_wrapped_and_recorded(tmp_path):
     base = tmp_path / "base"
     tiny_model().save_pretrained(base)

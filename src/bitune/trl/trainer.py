@@ -36,7 +36,7 @@ from transformers import Trainer
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from ..checkpoint import CONFIG_FILE, load_weights, save
+from ..checkpoint import CONFIG_FILE, MIXER_FILE, load_weights, save
 from ..config import BituneConfig
 from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
@@ -181,8 +181,9 @@ class BituneSFTTrainer(SFTTrainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Write a Bitune checkpoint (adapters, mixer, config) and the tokenizer into ``output_dir``.
 
-        Other entries of the folder (``checkpoint-N``, logs) are kept; the config is removed first and written
-        last, so a folder interrupted while being written is not taken for a complete checkpoint."""
+        Other entries of the folder (``checkpoint-N``, logs) are kept, parts of an earlier checkpoint this one
+        lacks are removed; the config is removed first and written last, so a folder interrupted while being
+        written is not taken for a complete checkpoint."""
         if not self.args.should_save:
             return
         out = Path(output_dir if output_dir is not None else self.args.output_dir)
@@ -192,6 +193,14 @@ class BituneSFTTrainer(SFTTrainer):
             save(self.bitune_model, tmp / "checkpoint")
             self.processing_class.save_pretrained(str(tmp / "checkpoint"))
             (out / CONFIG_FILE).unlink(missing_ok=True)
+            for name in ("causal", "bidir", MIXER_FILE):  # parts of an earlier checkpoint this one lacks
+                stale = out / name
+                if (tmp / "checkpoint" / name).exists():
+                    continue
+                if stale.is_dir():
+                    shutil.rmtree(stale)
+                else:
+                    stale.unlink(missing_ok=True)
             entries = sorted((tmp / "checkpoint").iterdir(), key=lambda p: p.name == CONFIG_FILE)
             for entry in entries:
                 if entry.is_dir():
