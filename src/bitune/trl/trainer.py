@@ -90,6 +90,9 @@ class BituneSFTTrainer(SFTTrainer):
     """
 
     _tag_names = ["trl", "sft", "bitune"]
+    loss_is_scaled_for_ga = False
+    """Read by ``Trainer``: :meth:`compute_loss` returns the batch's example mean and ``Trainer`` divides it by
+    the accumulation steps, as ``bitune train`` does."""
 
     def __init__(self, model: BituneModel | str, args: SFTConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, bitune_config: BituneConfig | None = None, **kwargs):
@@ -120,9 +123,6 @@ class BituneSFTTrainer(SFTTrainer):
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise BituneError("BituneSFTTrainer: FSDP and DeepSpeed are refused (the trainer saves and loads whole, "
                               "unsharded Bitune weights); run data-parallel (DDP: configs/accelerate/ddp.yaml)")
-
-    # trl/transformers read this: compute_loss returns the batch's example mean, Trainer divides by accumulation
-    loss_is_scaled_for_ga = False
 
     @property
     def bitune_model(self) -> BituneModel:
