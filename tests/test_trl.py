@@ -345,3 +345,10 @@ def test_readme_script_trains_smollm2_and_its_checkpoint_answers(tmp_path):
                           "--prompt", "What is the capital of France?", "--max-new-tokens", "8"],
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert job.returncode == 0 and job.stdout.strip(), job.stderr[-3000:]
+
+
+def test_readme_shows_the_example_script_as_it_is():
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Training with TRL"):]
+    assert "```python\n" + (root / "examples" / "trl_sft.py").read_text() + "```" in section
