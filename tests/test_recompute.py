@@ -63,7 +63,6 @@ def test_transformers_checkpointing_is_still_refused():
 
 def test_model_without_decoder_layers_is_refused():
     model = BituneModel.wrap(tiny_model(), BituneConfig())
-    type(model.weights.base)  # the class lists its decoder layer class in _no_split_modules
-    model.weights.base._no_split_modules = None
+    model.weights.base._no_split_modules = None  # the model names no decoder layer class
     with pytest.raises(BituneError, match="no list of 2 decoder layers"):
         model.enable_checkpointing()

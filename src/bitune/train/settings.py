@@ -85,7 +85,7 @@ class TrainSettings:
     """bfloat16 autocast: 'auto' (on where the GPU supports it), 'true' or 'false'; always fp32 on CPU."""
     gradient_checkpointing: bool = False
     """Activation checkpointing per decoder layer: recompute each layer's activations in the backward pass (less
-    memory, about one more forward of compute); the prompt caches are kept, loss and gradients unchanged."""
+    memory; each layer runs its forward twice); the prompt caches are kept, loss and gradients unchanged."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over the processes with FSDP2 (each decoder layer, then
     the rest) instead of replicating them (DDP); also set by ``--fsdp`` or an accelerate config with
