@@ -4,7 +4,6 @@ test; and greedy references computed with the library directly."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -13,13 +12,8 @@ import torch
 from bitune.checkpoint import load_bitune
 from bitune.generation import pick_template
 from bitune.serve.app import Served, create_app
+from bitune.serve.bench import free_port
 from bitune.serve.scheduler import Scheduler
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("bitune.commands.generate", "generate answers from a checkpoint"),
     "chat": ("bitune.commands.chat", "multi-turn chat with a checkpoint in the terminal"),
     "plot": ("bitune.commands.plot", "plot mixing ratios over training and attention maps"),
-    "bench": ("bitune.commands.bench", "benchmark training and generation speed/memory against LoRA"),
+    "bench": ("bitune.commands.bench", "benchmark training, generation and serving speed/memory against LoRA"),
     "serve": ("bitune.commands.serve", "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"),
 }
 DEBUG_HELP = "show the full traceback of an unexpected error"

@@ -13,6 +13,7 @@ allocator's peak above the memory allocated before the step, on CPU the tensors 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from ..model import BituneModel
 from ..train import load_settings
 from ..train.recipe import load_data
 
-HELP = "benchmark training and generation speed/memory against LoRA"
+HELP = "benchmark training, generation and serving speed/memory against LoRA"
 
 
 def configure(parser) -> None:
@@ -72,6 +73,27 @@ def configure(parser) -> None:
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    se = sub.add_parser("serve", help="bitune serve under load: batching, Bitune vs LoRA, vs transformers serve")
+    se.description = ("N clients x M streamed requests against servers run side by side (each its own process, "
+                      "all up at once, loaded in turn round by round): (a) a Bitune checkpoint batched vs "
+                      "--max-batch-size 1, (b) Bitune vs LoRA checkpoints of the same base, (c) the base model "
+                      "('pretrained') vs transformers serve --continuous-batching. Reports generated tokens/s, "
+                      "requests/s, time to first token and latency p50/p99.")
+    se.add_argument("--model", default=DEFAULT_MODEL, help="base model: built-in name, hub id or local folder")
+    se.add_argument("--bitune", metavar="DIR", help="Bitune checkpoint on --model (default: fresh adapters, the "
+                    "same compute as trained ones)")
+    se.add_argument("--lora", metavar="DIR", help="LoRA checkpoint on --model (default: fresh adapters)")
+    se.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    se.add_argument("--requests", type=int, default=2, help="requests per client per round, one after another")
+    se.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens")
+    se.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request (end tokens ignored)")
+    se.add_argument("--rounds", type=int, default=2, help="rounds over all servers; medians are reported")
+    se.add_argument("--max-batch-size", type=int, default=16, help="the batched servers' --max-batch-size")
+    se.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads of each server")
+    se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    se.add_argument("--device", default=None, help="torch device of the servers (default: cpu)")
+    se.add_argument("--no-transformers", action="store_true", help="skip the transformers serve comparison")
+    se.add_argument("--output", default=None, help="also write the results as JSON here")
 
 
 def run(args) -> int:
@@ -79,7 +101,7 @@ def run(args) -> int:
         raise ValueError("bench generate needs --prompt-tokens >= 2, --new-tokens >= 2 and --repeats >= 1")
     if args.bench == "train" and (args.steps < 1 or args.batch_size < 1):
         raise ValueError("bench train needs --steps >= 1 and --batch-size >= 1")
-    if args.threads is not None and args.bench != "sharding":
+    if args.threads is not None and args.bench not in ("sharding", "serve"):  # their servers or processes set their own
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: needs a positive number of threads")
         torch.set_num_threads(args.threads)
@@ -93,6 +115,10 @@ def run(args) -> int:
         from .bench_sharding import bench_sharding
 
         result = bench_sharding(args)
+    elif args.bench == "serve":
+        from ..serve.bench import bench_serve  # servers and HTTP clients: only for this benchmark
+
+        result = bench_serve(args)
     else:
         result = {"train": bench_train, "generate": bench_generate, "data": bench_data}[args.bench](args)
     if args.output:

@@ -95,7 +95,8 @@ class Served:
         if limit is None:
             limit = min(x for x in (default_tokens, room, FALLBACK_MAX_TOKENS) if x is not None)
         return Job(prompt=prompt, max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
-                   seed=body.seed, stop=body.stop, end_ids=self.end_ids[template])
+                   seed=body.seed, stop=body.stop,
+                   end_ids=frozenset() if body.ignore_eos else self.end_ids[template])
 
 
 def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,

@@ -110,6 +110,8 @@ class _Sampling(_Strict):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    """vLLM's extra field: keep decoding through end tokens until ``max_tokens`` (benchmarks: fixed lengths)."""
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,305 @@
+"""``bitune bench serve``: servers under load, side by side in one run.
+
+Every server runs as its own process on 127.0.0.1 (``bitune serve``, or ``transformers serve
+--continuous-batching`` for the plain-model anchor). The servers compared with each other are up together (the
+two Bitune ones and LoRA, then the base model and transformers serve) and loaded in turn, round by round, so
+machine drift hits all alike; ratios are taken per round, then their median. A load is N clients each sending
+M streamed ``/v1/completions`` requests one after another: prompts of exactly P tokens (distinct per client)
+and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here, a ``generation_config`` without eos
+for transformers). Reported per server: generated tokens/s and requests/s over the load's wall time, time to
+first token and latency p50 / p99.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import BituneError
+
+TEXT = ("The history of science is the study of the development of science and scientific knowledge, including "
+        "both the natural and social sciences. Science is a body of empirical, theoretical, and practical "
+        "knowledge about the natural world, produced by scientists who emphasize the observation, explanation, "
+        "and prediction of real-world phenomena. Early roots of science can be traced to Ancient Egypt and "
+        "Mesopotamia in around 3000 to 1200 BCE. Their contributions to mathematics, astronomy, and medicine "
+        "entered and shaped Greek natural philosophy of classical antiquity, whereby formal attempts were made "
+        "to provide explanations of events in the physical world based on natural causes. ")
+
+
+@dataclass
+class Server:
+    """One server process under test."""
+
+    name: str
+    command: list[str]
+    model: str
+    fields: Callable[[int], dict]
+    """The request fields that ask it for exactly n generated tokens (besides model, prompt and stream)."""
+    port: int = 0
+    process: subprocess.Popen | None = None
+    log: object = None
+    results: list[dict] = field(default_factory=list)
+
+
+def prompts(tokenizer, n: int, length: int) -> list[str]:
+    """``n`` distinct texts that tokenize (with the tokenizer's special tokens, as both servers do) to exactly
+    ``length`` tokens."""
+    ids = tokenizer(TEXT * (1 + 2 * length // 50), add_special_tokens=False)["input_ids"]
+    special = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    out = []
+    for i in range(n):
+        for take in range(length - special, 0, -1):  # decoding can merge tokens: shorten until it fits
+            text = tokenizer.decode(ids[7 * i: 7 * i + take])
+            if len(tokenizer(text)["input_ids"]) == length:
+                out.append(text)
+                break
+        else:
+            raise BituneError(f"cannot write a prompt of exactly {length} tokens with this tokenizer")
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(server: Server, threads: int, logs: Path) -> None:
+    server.port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false"}
+    server.log = open(logs / f"{server.name}.log", "w")
+    server.process = subprocess.Popen([*server.command, "--port", str(server.port)], env=env, stdout=server.log,
+                                      stderr=subprocess.STDOUT)
+
+
+def wait_ready(server: Server, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise BituneError(f"server {server.name} exited with status {server.process.returncode}; see its log "
+                              f"{server.log.name}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            conn.request("GET", "/v1/models")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise BituneError(f"server {server.name} did not start within {timeout:.0f} s")
+
+
+def stop(server: Server) -> None:
+    if server.process is not None and server.process.poll() is None:
+        server.process.terminate()
+        try:
+            server.process.wait(30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+    if server.log is not None:
+        server.log.close()
+
+
+def request(server: Server, prompt: str, new_tokens: int) -> dict:
+    """One streamed completion; returns its start, first-token and end times and generated tokens."""
+    body = {"model": server.model, "prompt": prompt, "stream": True, **server.fields(new_tokens)}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    start_time = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise BituneError(f"server {server.name} answered {response.status}: {response.read()[:300]!r}")
+    first, tokens = None, None
+    while line := response.readline():
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+            first = time.perf_counter()
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    conn.close()
+    if tokens != new_tokens:
+        raise BituneError(f"server {server.name} generated {tokens} tokens, asked for {new_tokens}")
+    return {"start": start_time, "first": first if first is not None else end, "end": end, "tokens": tokens}
+
+
+def load(server: Server, texts: list[str], requests_per_client: int, new_tokens: int) -> dict:
+    """N clients (one per text), each sending its requests one after another; the load's summary."""
+    results, errors = [], []
+
+    def client(text: str) -> None:
+        try:
+            for _ in range(requests_per_client):
+                results.append(request(server, text, new_tokens))
+        except Exception as e:  # reported below, after every client ended
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return summarize(results)
+
+
+def summarize(results: list[dict]) -> dict:
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    ttft = sorted(r["first"] - r["start"] for r in results)
+    latency = sorted(r["end"] - r["start"] for r in results)
+    return {"requests": len(results), "wall_s": wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "requests_per_s": len(results) / wall, "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": _percentile(ttft, 0.99), "latency_p50_s": statistics.median(latency),
+            "latency_p99_s": _percentile(latency, 0.99)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of sorted ``values``."""
+    pos = q * (len(values) - 1)
+    low = int(pos)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (pos - low)
+
+
+def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str, list[dict]]:
+    """Group by group (the servers compared with each other, up at once; one group at a time bounds memory):
+    start every server, warm each up, then ``args.rounds`` rounds of the load on each in turn."""
+    logs = Path(tempfile.mkdtemp(prefix="bitune-bench-serve-"))
+    print(f"bitune bench serve: server logs in {logs}", file=sys.stderr)
+    out = {}
+    for servers in groups:
+        try:
+            for s in servers:
+                start(s, args.threads, logs)
+            for s in servers:
+                wait_ready(s)
+                load(s, texts, 1, min(args.new_tokens, 4))  # warm-up: the first request pays one-time costs
+            for r in range(args.rounds):
+                for s in servers:
+                    s.results.append(load(s, texts, args.requests, args.new_tokens))
+                    print(f"bitune bench serve: round {r + 1}: {s.name}: {s.results[-1]['tokens_per_s']:.1f} "
+                          f"tokens/s", file=sys.stderr)
+        finally:
+            for s in servers:
+                stop(s)
+        out.update({s.name: s.results for s in servers})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the command
+TARGETS = {"batching": 2.5, "bitune_vs_lora": 0.85, "pretrained_vs_transformers": 1.0}
+"""Generated tokens/s ratios the comparisons aim at (SmolLM2-135M, 2 CPU cores, 8 clients, P = A = 64)."""
+
+
+def ours(name: str, source: list[str], args, batch: int) -> Server:
+    command = [sys.executable, "-m", "bitune.cli", "serve", *source, "--served-model-name", "m", "--threads",
+               str(args.threads), "--dtype", args.dtype, "--max-batch-size", str(batch), "--max-queue", "4096",
+               "--log-level", "warning", *(["--device", args.device] if args.device else [])]
+    return Server(name, command, "m", lambda n: {"max_tokens": n, "temperature": 0, "ignore_eos": True,
+                                                "stream_options": {"include_usage": True}})
+
+
+def transformers_server(folder: str, args) -> Server:
+    blocks = 4 * args.clients * -(-(args.prompt_tokens + args.new_tokens) // 32)  # its paged cache, bounded
+    command = [sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--continuous-batching",
+               "--host", "127.0.0.1", "--device", args.device or "cpu", "--dtype", args.dtype, "--cb-block-size",
+               "32", "--cb-num-blocks", str(blocks), "--log-level", "warning"]
+    return Server("transformers_serve", command, folder,
+                  lambda n: {"generation_config": json.dumps({"max_new_tokens": n, "do_sample": False})})
+
+
+def checkpoints(args, work: Path) -> dict[str, str]:
+    """The Bitune and LoRA checkpoints to serve: the ones given, else fresh ones on ``args.model`` (adapters as
+    initialised: the same shapes, hence the same compute, as trained ones)."""
+    from ..config import BituneConfig
+    from ..hub import load_model
+    from ..model import BituneModel
+
+    out = {}
+    for variant in ("bitune", "lora"):
+        given = getattr(args, variant)
+        if given:
+            out[variant] = given
+            continue
+        base, _ = load_model(args.model)
+        BituneModel.wrap(base, BituneConfig(variant=variant, base_model=args.model)).save_pretrained(work / variant)
+        out[variant] = str(work / variant)
+    return out
+
+
+def bench_serve(args) -> dict:
+    """Run the comparisons; print the table; return the record written as JSON."""
+    from rich.console import Console
+    from rich.table import Table
+    from transformers import AutoTokenizer
+
+    from ..hub import resolve_model
+
+    for flag in ("clients", "requests", "rounds", "threads", "max_batch_size"):
+        if getattr(args, flag) < 1:
+            raise BituneError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.prompt_tokens < 2 or args.new_tokens < 1:
+        raise BituneError("--prompt-tokens must be >= 2 and --new-tokens >= 1")
+    folder = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = prompts(tokenizer, args.clients, args.prompt_tokens)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bitune-bench-serve-") as work:
+        ckpts = checkpoints(args, Path(work))
+        groups = [[ours("bitune", ["--checkpoint", ckpts["bitune"]], args, args.max_batch_size),
+                   ours("bitune_batch1", ["--checkpoint", ckpts["bitune"]], args, 1),
+                   ours("lora", ["--checkpoint", ckpts["lora"]], args, args.max_batch_size)],
+                  [ours("pretrained", ["--model", args.model], args, args.max_batch_size),
+                   *([] if args.no_transformers else [transformers_server(folder, args)])]]
+        rounds = run_servers(groups, texts, args)
+    rows = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+            for name, results in rounds.items()}
+
+    def ratio(a: str, b: str) -> float | None:  # per round (drift hits both alike), then the median
+        if a not in rounds or b not in rounds:
+            return None
+        return statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(rounds[a], rounds[b]))
+
+    ratios = {"batching": ratio("bitune", "bitune_batch1"), "bitune_vs_lora": ratio("bitune", "lora"),
+              "pretrained_vs_transformers": ratio("pretrained", "transformers_serve")}
+    record = {"model": args.model, "device": args.device or "cpu", "dtype": args.dtype, "threads": args.threads,
+              "clients": args.clients, "requests_per_client": args.requests, "prompt_tokens": args.prompt_tokens,
+              "new_tokens": args.new_tokens, "rounds": args.rounds, "max_batch_size": args.max_batch_size,
+              "checkpoints": {k: (v if getattr(args, k) else "fresh adapters (untrained)") for k, v in ckpts.items()},
+              "load_average_before": load_before, "load_average_after": os.getloadavg(),
+              "servers": rows, "per_round": rounds, "ratios": ratios, "targets": TARGETS}
+    table = Table(title=f"bitune bench serve: {args.model}, {args.dtype}, {args.threads} threads, {args.clients} "
+                        f"clients x {args.requests} requests, prompt {args.prompt_tokens} tokens, "
+                        f"{args.new_tokens} generated, median of {args.rounds} rounds")
+    for col in ("server", "tokens/s", "requests/s", "TTFT p50 s", "TTFT p99 s", "latency p50 s", "latency p99 s"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        table.add_row(name, f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.3f}", f"{r['ttft_p50_s']:.2f}",
+                      f"{r['ttft_p99_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}")
+    console = Console(width=120)
+    console.print(table)
+    names = {"batching": "batching / batch 1", "bitune_vs_lora": "Bitune / LoRA",
+             "pretrained_vs_transformers": "pretrained / transformers serve"}
+    for key, value in ratios.items():
+        if value is not None:
+            verdict = "met" if value >= TARGETS[key] else "MISSED"
+            console.print(f"{names[key]}: {value:.2f}x generated tokens/s (target >= {TARGETS[key]}x: {verdict})")
+    console.print(f"load average (1, 5, 15 min) before {load_before[0]:.1f}, {load_before[1]:.1f}, "
+                  f"{load_before[2]:.1f}; after {record['load_average_after'][0]:.1f}")
+    return record
