@@ -153,3 +153,18 @@ def test_cli_generate_and_chat_cap_at_the_models_positions_and_say_so(tmp_path, 
     assert main(["chat", "--checkpoint", str(ckpt), "--max-new-tokens", "100000"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if "capped" in line]
     assert len(notes) == 1 and "the conversation (/reset clears it) has" in notes[0], notes
+
+
+def test_render_messages_writes_conversations_as_chat_and_generate_do():
+    from bitune.generation import render_messages
+
+    tok = tiny_tokenizer()
+    one = [{"role": "user", "content": PROMPTS[0]}]
+    assert render_messages(tok, one, "paper") == render(tok, PROMPTS[0], "paper")
+    turns = [{"role": "system", "content": "be brief."}, *one, {"role": "assistant", "content": "4."},
+             {"role": "user", "content": PROMPTS[1]}]
+    text, special = render_messages(tok, turns, "paper")
+    assert special and text == (f"be brief.\n\nQuestion: {PROMPTS[0]}\n\nAnswer: 4.\n\nQuestion: {PROMPTS[1]}"
+                                "\n\nAnswer:")
+    with pytest.raises(Exception, match="assistant message must follow"):
+        render_messages(tok, [{"role": "assistant", "content": "x"}, *one], "paper")

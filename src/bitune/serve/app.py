@@ -66,6 +66,9 @@ class Served:
                 text, special = render_messages(self.tokenizer, turns, self.template)
             except BituneError as e:
                 raise api.APIError(400, f"messages: {e}", "messages") from e
+            except Exception as e:  # the chat template's own refusal (e.g. roles must alternate)
+                raise api.APIError(400, f"messages: the chat template cannot write these messages: {e}",
+                                   "messages") from e
         return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -119,6 +122,10 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
     async def _invalid(request, e: RequestValidationError):
         err = api.validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        return JSONResponse(api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
 
     @app.exception_handler(404)
     async def _not_found(request, e):
