@@ -5,6 +5,7 @@ the same model, batch and lengths, interleaving them step by step so machine dri
 each ratio next to the FLOP ratio (2P + A) / (P + A), the floor of a perfect implementation (paper A.4).
 ``generate`` reproduces the paper's inference table (section 3.4): prefill a long prompt, generate N tokens;
 a streamer timestamps every new token, so prefill time and decode rate come from the same call.
+``serve`` loads ``bitune serve`` (and ``transformers serve``) with concurrent clients (:mod:`bitune.serve.bench`).
 Peak memory is each model's parameters + gradients + Adam moments, plus what a step adds: on CUDA the
 allocator's peak above the memory allocated before the step, on CPU the tensors autograd saves for backward
 (counted by storage), the part that differs between methods.

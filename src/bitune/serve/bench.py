@@ -2,12 +2,12 @@
 
 Every server runs as its own process on 127.0.0.1 (``bitune serve``, or ``transformers serve
 --continuous-batching`` for the plain-model anchor). The servers compared with each other are up together (the
-two Bitune ones and LoRA, then the base model and transformers serve) and loaded in turn, round by round, so
-machine drift hits all alike; ratios are taken per round, then their median. A load is N clients each sending
-M streamed ``/v1/completions`` requests one after another: prompts of exactly P tokens (distinct per client)
-and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here, a ``generation_config`` without eos
-for transformers). Reported per server: generated tokens/s and requests/s over the load's wall time, time to
-first token and latency p50 / p99.
+two Bitune ones and LoRA, then the base model and transformers serve) and loaded in turn, round by round, the
+order reversed every other round, so machine drift hits all alike; ratios are taken per round, then their
+median. A load is N clients each sending M streamed ``/v1/completions`` requests one after another: prompts of
+exactly P tokens (distinct per client) and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here,
+a ``generation_config`` without eos for transformers). Reported per server: generated tokens/s and requests/s
+over the load's wall time, time to first token and latency p50 / p99.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str,
                 wait_ready(s)
                 load(s, texts, 1, min(args.new_tokens, 4))  # warm-up: the first request pays one-time costs
             for r in range(args.rounds):
-                for s in servers:
+                for s in (servers if r % 2 == 0 else servers[::-1]):  # alternate the order: a trend cancels
                     s.results.append(load(s, texts, args.requests, args.new_tokens))
                     print(f"bitune bench serve: round {r + 1}: {s.name}: {s.results[-1]['tokens_per_s']:.1f} "
                           f"tokens/s", file=sys.stderr)
