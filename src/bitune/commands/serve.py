@@ -49,9 +49,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's log level")
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
+def api_key(flag: str | None) -> str | None:
+    """The key clients must send: ``--api-key``, else ``$BITUNE_API_KEY`` if set and non-empty, else None."""
+    key = flag if flag is not None else os.environ.get(KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise BituneError("--api-key is empty")
+    return key
+
+
+def exposure_warning(host: str, key: str | None) -> str | None:
     """The warning to print when the server listens beyond this machine without an API key (else None)."""
-    if api_key:
+    if key:
         return None
     if host == "localhost":
         return None
@@ -72,10 +80,8 @@ def run(args: argparse.Namespace) -> int:
             raise BituneError(f"{flag} {value}: must be >= {low}")
     if args.port > 65535:
         raise BituneError(f"--port {args.port}: must be <= 65535")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV) or None
-    if api_key is not None and not api_key.strip():
-        raise BituneError("--api-key is empty")
-    warning = exposure_warning(args.host, api_key)
+    key = api_key(args.api_key)
+    warning = exposure_warning(args.host, key)
     if warning:
         print(warning, file=sys.stderr)
     try:
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "
           f"{template} template ({why})", file=sys.stderr)
     served = Served(model, tokenizer, name, template)
-    app = create_app(served, Scheduler(model, tokenizer, args.max_batch_size, args.max_queue), api_key,
+    app = create_app(served, Scheduler(model, tokenizer, args.max_batch_size, args.max_queue), key,
                      args.max_body_bytes)
     # uvicorn turns SIGTERM into a graceful shutdown, then raises the signal again for the handler it found: a
     # no-op one lets a drained server exit 0, as after any finished command.
