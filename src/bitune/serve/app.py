@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import BituneError
-from ..generation import end_of_turn_ids, render, render_messages
+from ..generation import end_of_turn_ids, max_new_tokens_for, render, render_messages
 from . import protocol as api
 from .scheduler import Job, QueueFull, Scheduler
 
@@ -30,7 +30,7 @@ MAX_BODY_BYTES = 1 << 20
 COMPLETION_DEFAULT_TOKENS = 16
 """``/v1/completions`` without ``max_tokens`` generates at most this many tokens (OpenAI's default)."""
 FALLBACK_MAX_TOKENS = 4096
-"""A chat request without ``max_tokens`` stops at the model's context, or here if the model names none."""
+"""A chat request without ``max_tokens`` may fill the model's context, or this many tokens if it names none."""
 
 
 @dataclass
@@ -85,18 +85,17 @@ class Served:
         param = "prompt" if isinstance(body, api.CompletionRequest) else "messages"
         if len(prompt) < 2:
             raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed", param)
-        room = None if self.context is None else self.context - len(prompt)
-        if room is not None and room < 1:
-            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} tokens; this model's context is "
-                               f"{self.context} tokens (prompt + answer)", param, code="context_length_exceeded")
-        limit = body.limit
-        if limit is not None and room is not None and limit > room:
+        asked = body.limit
+        try:  # the library's rule: prompt + answer within the model's positions
+            limit = max_new_tokens_for(self.model, len(prompt), next(
+                x for x in (asked, default_tokens, self.context, FALLBACK_MAX_TOKENS) if x is not None))
+        except BituneError as e:
+            raise api.APIError(400, f"{param}: {e}", param, code="context_length_exceeded") from e
+        if asked is not None and limit < asked:  # an explicit cap that does not fit is refused, as OpenAI does
             name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-            raise api.APIError(400, f"{name}: {limit} tokens do not fit: the prompt has {len(prompt)} tokens and "
-                               f"this model's context is {self.context} (at most {room} more)", name,
+            raise api.APIError(400, f"{name}: {asked} tokens do not fit: the prompt has {len(prompt)} tokens and "
+                               f"the model reads at most {self.context} positions (at most {limit} more)", name,
                                code="context_length_exceeded")
-        if limit is None:
-            limit = min(x for x in (default_tokens, room, FALLBACK_MAX_TOKENS) if x is not None)
         return Job(prompt=prompt, max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
                    seed=body.seed, stop=body.stop,
                    end_ids=frozenset() if body.ignore_eos else self.end_ids[template])
