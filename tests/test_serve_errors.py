@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,6 +153,13 @@ def test_the_cli_warns_before_loading_and_refuses_bad_flags(tmp_path, capsys):
     assert "without an API key" in err and "not a Bitune checkpoint" in err
     assert main(["serve", "--checkpoint", str(tmp_path), "--max-batch-size", "0"]) == 2
     assert "--max-batch-size 0" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "checkpoint" not in err  # before loading anything
 
 
 @pytest.mark.slow

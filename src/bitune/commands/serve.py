@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import os
 import signal
+import socket
 import sys
 
 from ..errors import BituneError
@@ -72,6 +73,17 @@ def exposure_warning(host: str, key: str | None) -> str | None:
             f"use the model; set --api-key or ${KEY_ENV}")
 
 
+def check_address(host: str, port: int) -> None:
+    """Fail now, with one line, if ``host:port`` cannot be listened on (in use, or not an address here)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise BituneError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
 def run(args: argparse.Namespace) -> int:
     for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
                              ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
@@ -84,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     warning = exposure_warning(args.host, key)
     if warning:
         print(warning, file=sys.stderr)
+    check_address(args.host, args.port)  # before the model loads
     try:
         import uvicorn
 
