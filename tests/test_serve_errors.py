@@ -195,3 +195,16 @@ def test_sigterm_drains_and_exits_within_seconds(ckpt):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_a_verbatim_prompt_model_takes_one_user_message(server):
+    from bitune.serve.app import Served
+    from bitune.serve.protocol import APIError
+
+    _, _, served = server
+    verbatim = Served(served.model, served.tokenizer, "tiny", "none")
+    one = [{"role": "user", "content": "hi there"}]
+    assert verbatim.chat_prompt(one) == served.tokenizer("hi there")["input_ids"]
+    with pytest.raises(APIError, match="one user message") as refused:
+        verbatim.chat_prompt([{"role": "system", "content": "be brief."}, *one])
+    assert refused.value.status == 400 and refused.value.param == "messages"
