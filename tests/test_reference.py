@@ -79,9 +79,9 @@ GOLDEN = {
 
 # The tolerance: the loss (~4.1) is a float32 forward, where one rounding is eps_f32 * 4.1 = 5e-7 and the kernels of
 # another CPU or thread split round some hundred reductions differently (errors of both signs, partly cancelling);
-# GOLDEN is rounded to 1e-6. Measured with ATEN_CPU_CAPABILITY=default/avx2/avx512 x 1/2 threads: within 6e-7 of
-# GOLDEN. GOLDEN_TOL is 16x that, and 1/30 of the gap between the two nearest variants (lora, naive_bidir: 3.1e-4),
-# so a change of the method (a mask, a weight set, the mixing) shows.
+# GOLDEN is rounded to 1e-6. Measured (scripts/golden_spread.py) with ATEN_CPU_CAPABILITY=default/avx2/avx512 x
+# 1/2 threads: within 6e-7 of GOLDEN. GOLDEN_TOL is 16x that, and 1/30 of the gap between the two nearest variants
+# (lora, naive_bidir: 3.1e-4), so a change of the method (a mask, a weight set, the mixing) shows.
 GOLDEN_TOL = 1e-5
 
 

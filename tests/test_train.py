@@ -221,7 +221,7 @@ GOLDEN = {(1, 2, 6): (-1.64129838039662, 645.5365237998121, 64.83517716184582),
 # order changes it by about eps_f32 * sqrt(terms) = 1.2e-7 * 16 = 2e-6 relative, and m / sqrt(v) (scale-free) by
 # as much: each weight moves by about steps * lr * 2e-6 = 1.2e-7, and a sum of N such independent errors by
 # sqrt(N) * 1.2e-7 = 1.4e-5 (the sum of squares, 2 * w * error per weight with |w| ~ 0.07, by less).
-# Measured (scripts in the issue-19 report): ATEN_CPU_CAPABILITY=default/avx2/avx512 x 1/2 threads differ from
+# Measured with scripts/golden_spread.py: ATEN_CPU_CAPABILITY=default/avx2/avx512 x 1/2 threads differ from
 # GOLDEN by at most 1.3e-5. TOL is 7x that; a real change to the training moves a sum by 0.27 to 11
 # (test_golden_weights_catch_a_real_change checks > 100 x TOL).
 GOLDEN_TOL = 1e-4
