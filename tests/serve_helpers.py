@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from bitune.checkpoint import load_bitune
+from bitune.loading import load_bitune
 from bitune.generation import pick_template
 from bitune.serve.app import Served, create_app
 from bitune.serve.bench import free_port

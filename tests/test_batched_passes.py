@@ -125,3 +125,43 @@ def test_fused_equals_sequential_in_bfloat16(arch):
         model = BituneModel.wrap(tiny_model(arch, dtype=torch.bfloat16), BituneConfig(), prompt_passes=mode)
         losses.append(perturb_adapters(model)(*batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))).loss.float())
     torch.testing.assert_close(losses[0], losses[1], atol=5e-3, rtol=0)
+
+
+def test_path_functions_run_on_the_parts_alone():
+    """The path functions take what they need (weight sets, passes, mixer, text config), not a BituneModel: built
+    from those parts alone, the fused forward == both prompt passes one by one, mixed, then the causal answer pass,
+    and the batched prompt read == the one-by-one read."""
+    from bitune import cache as kv
+    from bitune.adapters import WeightSets
+    from bitune.fused import fused_logits
+    from bitune.masks import position_ids
+    from bitune.mixer import Mixer
+    from bitune.passes import read_pass, read_passes_batched
+
+    config = BituneConfig()
+    base = tiny_model("gemma3")  # sliding-window layers too
+    weights, text = WeightSets(base, config), base.config.get_text_config()
+    mixer = Mixer(text.num_hidden_layers, config.theta_init)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in [p for name in config.weight_sets for p in weights.parameters_of(name).values()] + [
+                mixer.theta_k, mixer.theta_v]:
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    prompt_ids, prompt_mask, answer_ids, answer_mask = batch()
+    with torch.no_grad():
+        fused = fused_logits(weights, mixer, config.passes, text, prompt_ids, prompt_mask, answer_ids, answer_mask)
+        ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
+        one_by_one = [read_pass(weights, text, ids, mask, w, k) for w, k in config.passes]
+        batched = read_passes_batched(weights, text, ids, mask, config.passes)
+        for alone, together in zip(one_by_one, batched):
+            for layer in range(text.num_hidden_layers):
+                for a, b in zip(kv.layer_kv(alone, layer), kv.layer_kv(together, layer)):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        kv.mix_into(one_by_one[0], one_by_one[1], mixer)
+        steps = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], dim=1)  # (B, A)
+        full = torch.cat([mask, torch.ones_like(mask[:, :1]), answer_mask[:, :-1]], dim=1)
+        out = weights.call("causal", input_ids=steps, attention_mask=full, cache=one_by_one[0], use_cache=True,
+                           position_ids=position_ids(full)[:, -steps.shape[1]:])
+    real = answer_mask.bool()
+    torch.testing.assert_close(fused[real], out.logits[real], atol=1e-5, rtol=0)
+    assert (fused[real] - weights.call("causal", input_ids=steps).logits[real]).abs().max() > 1e-3  # read the prompt

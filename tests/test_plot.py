@@ -107,7 +107,8 @@ def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):
 def test_attention_figure_shows_causal_and_bidirectional_maps_with_token_labels():
     tok, model = tiny_tokenizer(), tiny_bitune()
     ids, mask = encode(tok, [render(tok, "why is the sky blue?")[0]], True)
-    maps = {k: m[0] for k, m in attention_maps(model, ids, mask).items()}  # (T, T) each
+    maps = attention_maps(model.weights, model.config.passes, model.text_config, ids, mask)
+    maps = {k: m[0] for k, m in maps.items()}  # (T, T) each
     labels = token_labels(tok, ids[0, :-1].tolist())
     fig = attention_figure(maps, labels)
     images = [ax for ax in fig.axes if ax.get_images()]

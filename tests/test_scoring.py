@@ -13,6 +13,11 @@ from bitune.scoring import pack, score_continuations
 from conftest import _COMMON, VOCAB, perturb_adapters, tiny_model
 
 
+def scored(model, prefill, continuations):
+    """score_continuations on a BituneModel's parts."""
+    return score_continuations(model.weights, model.text_config, prefill, continuations)
+
+
 def model_for(arch: str, attn: str, variant: str) -> BituneModel:
     if arch == "mistral_window4":  # one layer type, every layer sliding, window shorter than the prompts
         torch.manual_seed(0)
@@ -56,9 +61,9 @@ def test_packed_scores_equal_separate_answer_passes(arch, attn, variant):
     with torch.no_grad():
         prefill = model.prefill(ids, mask)
         expected = [alone(model, prefill, r, c) for r, conts in enumerate(choices) for c in conts]
-        packed = score_continuations(model, prefill, choices)
-        again = score_continuations(model, prefill, choices)  # the prefill is left as it was
-        skip = score_continuations(model, prefill, [choices[0], [], choices[2], []])  # rows left out
+        packed = scored(model, prefill, choices)
+        again = scored(model, prefill, choices)  # the prefill is left as it was
+        skip = scored(model, prefill, [choices[0], [], choices[2], []])  # rows left out
     assert len(packed) == len(expected)
     for (a, ga), (b, gb) in zip(packed, expected):
         assert a == pytest.approx(b, abs=1e-5)
@@ -82,9 +87,9 @@ def test_prefills_of_different_lengths_concatenated_score_the_same(arch):
             keep = int(mask[index].sum(1).max())  # trim to the chunk's own longest prompt
             parts.append(model.prefill(ids[index][:, -keep:], mask[index][:, -keep:]))
         expected = [score for part, rows in zip(parts, (first, second))
-                    for score in score_continuations(model, part, [choices[r] for r in rows])]
+                    for score in scored(model, part, [choices[r] for r in rows])]
         joined = Prefill.concat(parts)
-        got = score_continuations(model, joined, [choices[r] for r in first + second])
+        got = scored(model, joined, [choices[r] for r in first + second])
     assert joined.mask.shape == (4, 8)  # the prompt passes read all but the last token
     assert [a for a, _ in got] == pytest.approx([a for a, _ in expected], abs=1e-5)
     assert [g for _, g in got] == [g for _, g in expected]
@@ -100,7 +105,7 @@ def test_packed_scores_with_other_weight_methods(method):
     with torch.no_grad():
         prefill = model.prefill(ids, mask)
         expected = [alone(model, prefill, r, c) for r, conts in enumerate(choices) for c in conts]
-        packed = score_continuations(model, prefill, choices)
+        packed = scored(model, prefill, choices)
     assert [a for a, _ in packed] == pytest.approx([a for a, _ in expected], abs=1e-5)
     assert [g for _, g in packed] == [g for _, g in expected]
 
@@ -113,7 +118,7 @@ def test_greedy_flag_follows_the_argmax_continuation():
         best = int(model.answer_logits(prefill, torch.tensor([[5]]), torch.ones(1, 1, dtype=torch.long))[0, 0]
                    .argmax())
         other = (best + 1) % VOCAB
-        scores = score_continuations(model, prefill, [[[best], [other]]])
+        scores = scored(model, prefill, [[[best], [other]]])
     assert [greedy for _, greedy in scores] == [True, False]
 
 

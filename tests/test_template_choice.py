@@ -15,7 +15,8 @@ from gen_helpers import CHAT_TEMPLATE, tiny_bitune
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import main
-from bitune.checkpoint import CONFIG_FILE, load_bitune
+from bitune.checkpoint import CONFIG_FILE
+from bitune.loading import load_bitune
 from bitune.generation import generate_texts, pick_template
 
 CHAT_ROWS = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"},

@@ -18,7 +18,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl_helpers import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, trainable, write_bitune_rows
 
 from bitune import BituneConfig, BituneModel
-from bitune.checkpoint import load_bitune
+from bitune.loading import load_bitune
 from bitune.data import load_examples, tokenize_dataset
 from bitune.data.collate import Collator, pad_id
 from bitune.data.templates import Example

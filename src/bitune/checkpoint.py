@@ -1,5 +1,7 @@
-"""Checkpoints of a :class:`~bitune.model.BituneModel`: save, load, read the config, load "a checkpoint or a base
-model" with its tokenizer.
+"""The checkpoint format of a :class:`~bitune.model.BituneModel`: write one, read its config, load its weights into a
+model. (Building a model from a checkpoint is :meth:`BituneModel.from_pretrained`; "a checkpoint or a base model,
+with its tokenizer" is :func:`bitune.loading.load_bitune`; this module does not import :mod:`bitune.model`, which
+imports it.)
 
 A checkpoint folder holds ``bitune_config.json`` (:class:`~bitune.config.BituneConfig`: what was trained, never how
 the passes run), ``mixer.safetensors`` (the thetas, for mixing variants) and one folder per weight set: PEFT's own
@@ -23,21 +25,20 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import PROMPT_PASSES, BituneConfig
+from .config import BituneConfig
 from .errors import BituneError
 from .files import apply_umask, read_text, replace_dir
-from .hub import check_dtype, load_model, resolve_device
-from .model import BituneModel
 
 CONFIG_FILE = "bitune_config.json"
 MIXER_FILE = "mixer.safetensors"
 FULL_FILE = "model.safetensors"
 
 
-def save(model: BituneModel, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
+def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON).
 
     Args:
+        model: the :class:`~bitune.model.BituneModel` (its config, weight sets and mixer).
         tensors: the weights to write, named as :meth:`BituneModel.weight_tensors` names them (e.g. gathered from
             a sharded model); default: the model's own.
     """
@@ -74,29 +75,7 @@ def save(model: BituneModel, directory: str | os.PathLike, tensors: dict[str, to
         raise
 
 
-def load(directory: str | os.PathLike, base: nn.Module | str | None = None, prompt_passes: str = "auto",
-         **load_kwargs) -> BituneModel:
-    """Load a checkpoint written by :func:`save`.
-
-    Args:
-        directory: the checkpoint folder.
-        base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
-        prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice).
-        load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
-    """
-    directory = Path(directory)
-    config = read_config(directory)
-    if base is None or isinstance(base, str):
-        name = base or config.base_model
-        if not name:
-            raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
-        base, _ = load_model(name, **load_kwargs)
-    model = BituneModel(base, config, prompt_passes)
-    load_weights(model, directory)
-    return model
-
-
-def load_weights(model: BituneModel, directory: str | os.PathLike) -> None:
+def load_weights(model, directory: str | os.PathLike) -> None:
     """Load trained weights from a checkpoint folder into ``model``, strictly (every tensor must match)."""
     directory = Path(directory)
     if model.mixer is not None:
@@ -154,41 +133,6 @@ def read_config(directory: str | os.PathLike) -> BituneConfig:
         raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
 
 
-def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
-    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
-
-    What ``bitune generate``, ``chat``, ``plot`` and ``eval`` load.
-
-    Args:
-        checkpoint: a folder written by :func:`save`.
-        model: a base model name or folder (instead of ``checkpoint``).
-        base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
-        dtype: parameter dtype. Default float32.
-        device: torch device; default cuda if available, else cpu.
-        prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
-
-    Returns:
-        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
-    """
-    if (checkpoint is None) == (model is None):
-        raise BituneError("give exactly one of a checkpoint folder or a base model name")
-    if prompt_passes not in PROMPT_PASSES:
-        raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
-    device = resolve_device(device)
-    check_dtype(dtype)
-    if checkpoint is not None:
-        name = base or read_config(Path(checkpoint)).base_model
-        if not name:
-            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
-        hf_model, tokenizer = load_model(name, dtype=dtype)
-        bitune = load(checkpoint, base=hf_model, prompt_passes=prompt_passes)
-    else:
-        hf_model, tokenizer = load_model(model, dtype=dtype)
-        bitune = BituneModel(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)
-    return bitune.to(device).eval(), tokenizer
-
-
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ValueError(f"checkpoint file missing: {path}")
@@ -208,4 +152,4 @@ def _copy_exactly(params: dict[str, nn.Parameter], state: dict, path: Path) -> N
             p.copy_(state[k])
 
 
-__all__ = ["CONFIG_FILE", "MIXER_FILE", "save", "load", "load_weights", "read_config", "load_bitune"]
+__all__ = ["CONFIG_FILE", "MIXER_FILE", "save", "load_weights", "read_config"]

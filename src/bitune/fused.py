@@ -20,19 +20,25 @@ import torch
 from transformers import DynamicCache
 
 from . import attention
+from .adapters import WeightSets
 from .attention import block_attention, check_implementation, mask_format
 from .masks import allowed, per_layer_type, position_ids
+from .mixer import Mixer
 from .recompute import recorded
 
 NAME = "bitune_fused"
 
 
-def fused_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, answer_ids: torch.Tensor,
+def fused_logits(weights: WeightSets, mixer: Mixer | None, passes: tuple[tuple[str, str], ...], text_config,
+                 prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, answer_ids: torch.Tensor,
                  answer_mask: torch.Tensor) -> torch.Tensor:
     """Prompt passes, mixing and answer pass of a :class:`~bitune.model.BituneModel` in one forward.
 
     Args:
-        model: the BituneModel (its weight sets, mixer and variant; routable weights).
+        weights: the weight sets (``BituneModel.weights``), routable per position for every pass's set.
+        mixer: the mixer (None for one prompt pass: the answer then reads that pass's keys).
+        passes: ``(weight set, mask kind)`` per prompt pass, causal first (``BituneConfig.passes``).
+        text_config: the model's text config.
         prompt_ids, prompt_mask: (B, P) left-padded prompts, at least 2 real tokens each.
         answer_ids, answer_mask: (B, A) right-padded answers.
 
@@ -40,26 +46,25 @@ def fused_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ans
         (B, A, V) answer logits. The price of one forward: the last layer's q/o/MLP also run on prompt
         positions, which the separate prompt passes skip.
     """
-    model.check_no_checkpointing()
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
     step_ids = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], dim=1)  # (B, A)
     step_mask = torch.cat([torch.ones_like(prompt_mask[:, -1:]), answer_mask[:, :-1]], dim=1)  # (B, A)
     T, A = ids.shape[1], step_ids.shape[1]
-    passes = model.config.passes[::-1]  # the bidirectional pass first, so the causal one runs on into the answer
+    passes = passes[::-1]  # the bidirectional pass first, so the causal one runs on into the answer
     S = len(passes) * T + A
-    read = S if model.mixer is not None else 0  # the mixed block the cache appends, or the one pass's keys
-    base = model.weights.base
+    read = S if mixer is not None else 0  # the mixed block the cache appends, or the one pass's keys
+    base = weights.base
     dtype = next(base.parameters()).dtype
-    attn = fused_mask(mask, step_mask, [k for _, k in passes], read, dtype, model.text_config,
+    attn = fused_mask(mask, step_mask, [k for _, k in passes], read, dtype, text_config,
                       base.config._attn_implementation)
     positions = position_ids(mask)  # (B, T)
     answer_positions = position_ids(torch.cat([mask, step_mask], dim=1))[:, T:]  # (B, A)
     with recorded(attention.running, base, NAME, FusedLayout(T, len(passes), read)):
-        out = model.weights.call_segments(
+        out = weights.call_segments(
             [(w, T) for w, _ in passes] + [("causal", A)],
             input_ids=torch.cat([ids] * len(passes) + [step_ids], dim=1),  # (B, S)
             attention_mask=attn, position_ids=torch.cat([positions] * len(passes) + [answer_positions], dim=1),
-            cache=FusedCache(model.text_config, T, model.mixer), use_cache=True, logits_to_keep=A)
+            cache=FusedCache(text_config, T, mixer), use_cache=True, logits_to_keep=A)
     return out.logits  # (B, A, V)
 
 

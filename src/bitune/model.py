@@ -30,10 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cache as kv
+from . import checkpoint
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
+from .hub import load_model
 from .inputs import check_answer, check_architecture, check_ids, check_prompt, context_room
 from .masks import position_ids
 from .mixer import Mixer
@@ -158,7 +160,7 @@ class BituneModel(nn.Module):
         mask = torch.ones(1, 2, dtype=torch.long, device=device)
         with torch.enable_grad():
             try:
-                cache = read_pass(self, ids, mask, weights, "bidirectional")
+                cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
                 k, v = kv.layer_kv(cache, self.num_layers - 1)
             except (AttributeError, IndexError, TypeError) as e:
                 raise ValueError(f"{type(self.weights.base).__name__}: no per-layer attention KV cache "
@@ -206,9 +208,11 @@ class BituneModel(nn.Module):
 
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
+        self.check_no_checkpointing()
         if self.prefill_path() == "batched":
-            return read_passes_batched(self, ids, mask, self.config.passes, past)
-        return [read_pass(self, ids, mask, weights, kind, past) for weights, kind in self.config.passes]
+            return read_passes_batched(self.weights, self.text_config, ids, mask, self.config.passes, past)
+        return [read_pass(self.weights, self.text_config, ids, mask, weights, kind, past)
+                for weights, kind in self.config.passes]
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Prefill | None = None) -> Prefill:
         """Read a batch of left-padded prompts: prompt passes over all but the last token, then mixing.
@@ -265,7 +269,9 @@ class BituneModel(nn.Module):
         if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
         elif path == "fused":
-            logits = fused_logits(self, prompt_ids, prompt_mask, answer_ids, answer_mask)
+            self.check_no_checkpointing()
+            logits = fused_logits(self.weights, self.mixer, self.config.passes, self.text_config, prompt_ids,
+                                  prompt_mask, answer_ids, answer_mask)
         else:
             logits = self.answer_logits(self.prefill(prompt_ids, prompt_mask), answer_ids, answer_mask, reuse=False)
         return _answer_loss(logits, answer_ids, answer_mask)
@@ -359,23 +365,32 @@ class BituneModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`
         (``tensors``: the weights to write, e.g. gathered from a sharded model)."""
-        from .checkpoint import save  # checkpoint imports this module
-
-        save(self, directory, tensors)
+        checkpoint.save(self, directory, tensors)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
                         prompt_passes: str = "auto", **load_kwargs) -> "BituneModel":
-        """Load a checkpoint; see :func:`bitune.checkpoint.load`."""
-        from .checkpoint import load
+        """Load a checkpoint written by :meth:`save_pretrained`, strictly (every tensor must match).
 
-        return load(directory, base, prompt_passes, **load_kwargs)
+        Args:
+            directory: the checkpoint folder.
+            base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
+            prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice).
+            load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
+        """
+        config = checkpoint.read_config(directory)
+        if base is None or isinstance(base, str):
+            name = base or config.base_model
+            if not name:
+                raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
+            base, _ = load_model(name, **load_kwargs)
+        model = cls(base, config, prompt_passes)
+        model.load_weights(directory)
+        return model
 
     def load_weights(self, directory: str | os.PathLike) -> None:
         """Load trained weights from a checkpoint, strictly; see :func:`bitune.checkpoint.load_weights`."""
-        from .checkpoint import load_weights
-
-        load_weights(self, directory)
+        checkpoint.load_weights(self, directory)
 
 
 # --------------------------------------------------------------------------------------------------- loss

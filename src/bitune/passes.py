@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cache as kv
+from .adapters import WeightSets
 from .masks import concat_masks, pass_mask, position_ids
 
 
@@ -59,20 +60,21 @@ class Prefill:
         return Prefill(self.cache, self.ids[:, n:], self.mask[:, n:], self.last_token)
 
 
-def read_pass(model, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
+def read_pass(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
               history: Prefill | None = None):
     """One prompt pass; returns its KV cache (per layer (B, n_kv, T_history + T, hs)).
 
     Args:
-        model: the :class:`~bitune.model.BituneModel`.
+        weights: the weight sets (``BituneModel.weights``).
+        text_config: the model's text config (layers, sliding windows).
         ids, mask: (B, T) left-padded tokens the pass reads.
         weight_set: ``"causal"`` or ``"bidir"``.
         kind: the mask, one of ``bitune.config.PASS_MASKS``.
         history: a conversation so far; a copy of its cache is extended (the original is untouched).
     """
-    cache, attn, positions = _start(model, ids, mask, [kind], history)
+    cache, attn, positions = _start(weights, text_config, ids, mask, [kind], history)
     try:
-        model.weights.call(weight_set, input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
+        weights.call(weight_set, input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
                            use_cache=True, logits_to_keep=1)
     except kv.PassComplete:
         pass
@@ -80,8 +82,8 @@ def read_pass(model, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kin
     return cache
 
 
-def read_passes_batched(model, ids: torch.Tensor, mask: torch.Tensor, passes: tuple[tuple[str, str], ...],
-                        history: Prefill | None = None) -> list:
+def read_passes_batched(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor,
+                        passes: tuple[tuple[str, str], ...], history: Prefill | None = None) -> list:
     """n prompt passes as one forward over n*B rows; returns one KV cache per pass, as :func:`read_pass` would.
 
     Args:
@@ -90,9 +92,9 @@ def read_passes_batched(model, ids: torch.Tensor, mask: torch.Tensor, passes: tu
     """
     B = ids.shape[0]
     rows_ids, rows_mask = ids.repeat(len(passes), 1), mask.repeat(len(passes), 1)  # (nB, T): block i is pass i
-    cache, attn, positions = _start(model, rows_ids, rows_mask, [k for _, k in passes], history)
+    cache, attn, positions = _start(weights, text_config, rows_ids, rows_mask, [k for _, k in passes], history)
     try:
-        model.weights.call_rows([w for w, _ in passes for _ in range(B)], input_ids=rows_ids, attention_mask=attn,
+        weights.call_rows([w for w, _ in passes for _ in range(B)], input_ids=rows_ids, attention_mask=attn,
                                 position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
     except kv.PassComplete:
         pass
@@ -124,19 +126,19 @@ def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
     return ids, mask
 
 
-def _start(model, ids: torch.Tensor, mask: torch.Tensor, kinds: list[str], history: Prefill | None):
+def _start(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor, kinds: list[str],
+           history: Prefill | None):
     """The cache a forward over ``ids`` (n groups of rows, group g with mask ``kinds[g]``) extends, its 4D mask
     and its position ids."""
-    model.check_no_checkpointing()
     rows = torch.arange(ids.shape[0], device=ids.device) % (history.mask.shape[0] if history is not None else 1)
-    cache = kv.extendable_copy(history.cache if history is not None else None, model.text_config, rows,
-                               stop_after_layer=model.num_layers - 1)
+    cache = kv.extendable_copy(history.cache if history is not None else None, text_config, rows,
+                               stop_after_layer=text_config.num_hidden_layers - 1)
     past_mask = history.mask[rows] if history is not None else None  # (nB, T_history)
-    base = model.weights.base
+    base = weights.base
     dtype, impl = next(base.parameters()).dtype, base.config._attn_implementation
     group = ids.shape[0] // len(kinds)
     attn = concat_masks([
-        pass_mask(mask[g * group:(g + 1) * group], kind, dtype, model.text_config, impl,
+        pass_mask(mask[g * group:(g + 1) * group], kind, dtype, text_config, impl,
                   past_mask[g * group:(g + 1) * group] if past_mask is not None else None)
         for g, kind in enumerate(kinds)])
     offset = past_mask.sum(1) if past_mask is not None else None

@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .adapters import WeightSets
 from .attention import attention_implementation
 from .errors import BituneError
 from .generation import encode, render
@@ -131,12 +134,16 @@ def token_labels(tokenizer, ids: list[int]) -> list[str]:
 
 
 @torch.no_grad()
-def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Attention of each prompt pass of a BituneModel, averaged over layers and heads (paper A.12).
+def attention_maps(weights: WeightSets, passes: tuple[tuple[str, str], ...], text_config, prompt_ids: torch.Tensor,
+                   prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Attention of each prompt pass, averaged over layers and heads (paper A.12).
 
     Each pass runs once more with eager attention (the only implementation that returns attention weights).
 
     Args:
+        weights: the weight sets (``BituneModel.weights``).
+        passes: ``(weight set, mask kind)`` per prompt pass (``BituneConfig.passes``).
+        text_config: the model's text config.
         prompt_ids, prompt_mask: (B, P) left-padded prompts, at least 2 real tokens each.
 
     Returns:
@@ -144,15 +151,15 @@ def attention_maps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -
     """
     check_prompt(prompt_ids, prompt_mask)
     ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, T)
-    base = model.weights.base
+    base = weights.base
     dtype = next(base.parameters()).dtype
     maps = {}
     with attention_implementation(base, "eager"):
-        for weights, kind in model.config.passes:
-            attn = pass_mask(mask, kind, dtype, model.text_config, "eager")
-            out = model.weights.call(weights, input_ids=ids, attention_mask=attn, output_attentions=True,
+        for name, kind in passes:
+            attn = pass_mask(mask, kind, dtype, text_config, "eager")
+            out = weights.call(name, input_ids=ids, attention_mask=attn, output_attentions=True,
                                      position_ids=position_ids(mask), logits_to_keep=1)
-            maps[f"{weights}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
+            maps[f"{name}/{kind}"] = torch.stack(out.attentions).float().mean(dim=(0, 2))  # (B, T, T)
     return maps
 
 
@@ -192,7 +199,8 @@ def plot_attention(model, tokenizer, prompt: str, output_dir: str | Path, templa
     """
     text, special = render(tokenizer, prompt, template)
     ids, mask = encode(tokenizer, [text], special, next(model.parameters()).device)  # (1, P)
-    maps = {name: m[0] for name, m in attention_maps(model, ids, mask).items()}  # (T, T) each, T = P - 1
+    maps = attention_maps(model.weights, model.config.passes, model.text_config, ids, mask)
+    maps = {name: m[0] for name, m in maps.items()}  # (T, T) each, T = P - 1
     fig = attention_figure(maps, token_labels(tokenizer, ids[0, :-1].tolist()), max_labels)
     return _save(fig, output_dir, ATTENTION_FILE)
 

@@ -27,6 +27,7 @@ import torch
 
 from . import attention
 from . import cache as kv
+from .adapters import WeightSets
 from .attention import block_attention, check_implementation, mask_format
 from .masks import per_layer_type, position_ids
 from .passes import Prefill
@@ -117,11 +118,13 @@ def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.
     return per_layer_type(build, config)
 
 
-def score_continuations(model, prefill: Prefill, continuations: list[list[list[int]]]) -> list[tuple[float, bool]]:
-    """Sum of log-probabilities and is-greedy of every continuation, in one packed answer pass.
+def score_continuations(weights: WeightSets, text_config, prefill: Prefill,
+                        continuations: list[list[list[int]]]) -> list[tuple[float, bool]]:
+    """Sum of log-probabilities and is-greedy of every continuation, in one packed answer pass (the causal weights).
 
     Args:
-        model: a :class:`~bitune.model.BituneModel`.
+        weights: the weight sets (``BituneModel.weights``).
+        text_config: the model's text config.
         prefill: prompts read by :meth:`~bitune.model.BituneModel.prefill` (left untouched).
         continuations: per prefill row, the token lists to score after it (an empty list skips the row).
 
@@ -138,13 +141,13 @@ def score_continuations(model, prefill: Prefill, continuations: list[list[list[i
     packed = pack(prefill.last_token[rows, 0].tolist(), [continuations[r] for r in used], device)
     prompt_mask = prefill.mask[rows]  # (R, T)
     cache = kv.flatten_rows(prefill.cache, rows)
-    base = model.weights.base
-    attn = packed_mask(prompt_mask, packed, model.text_config, next(base.parameters()).dtype,
+    base = weights.base
+    attn = packed_mask(prompt_mask, packed, text_config, next(base.parameters()).dtype,
                        base.config._attn_implementation, kv.keys_per_window(prefill.cache))
     positions = prompt_mask.sum(1)[packed.row] + packed.offset  # (S,)
     bounds = torch.cumsum(torch.bincount(packed.row, minlength=len(used)), 0).tolist()  # each prompt's end
     with attention.running(base, NAME, list(zip([0] + bounds[:-1], bounds))):
-        out = model.weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
+        out = weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
                                  position_ids=positions[None], cache=cache, use_cache=True)
     logits = out.logits[0, packed.columns]  # (N, V)
     target = logits.gather(-1, packed.targets[:, None])[:, 0]  # (N,)

@@ -10,7 +10,7 @@ import sys
 from transformers import set_seed
 
 from ..chat import MODES, Conversation
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import check_output_file, check_text
 from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options

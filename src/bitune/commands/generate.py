@@ -15,7 +15,7 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..config import TEMPLATES
 from ..errors import BituneError
 from ..files import check_output_file, check_text, read_text, write_text_atomic

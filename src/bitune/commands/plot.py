@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..config import TEMPLATES
 from ..files import check_output_dir
 from ..generation import pick_template

@@ -1,6 +1,6 @@
 """``bitune serve``: an OpenAI-compatible HTTP API for a checkpoint (or a base model) with continuous batching.
 
-Loads the model like ``bitune generate`` (:func:`bitune.checkpoint.load_bitune`), then runs the app of
+Loads the model like ``bitune generate`` (:func:`bitune.loading.load_bitune`), then runs the app of
 :mod:`bitune.serve` under uvicorn. SIGTERM or Ctrl-C stops accepting connections, lets the answers under way
 finish for up to ``--drain-seconds``, then ends the rest and exits.
 """
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise BituneError(f"bitune serve needs the 'serve' extra ({e.name} is missing): "
                           "pip install 'bitune[serve]'") from e
-    from ..checkpoint import load_bitune
+    from ..loading import load_bitune
     from ..generation import pick_template
 
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,

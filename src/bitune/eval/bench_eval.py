@@ -21,7 +21,7 @@ import time
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..commands.options import ArgumentParser
 from ..config import BituneConfig
 from ..hub import DEFAULT_MODEL

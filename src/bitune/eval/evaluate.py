@@ -26,7 +26,7 @@ from lm_eval.tasks import TaskManager
 from rich.console import Console
 from rich.table import Table
 
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import write_text_atomic
 from ..generation import pick_template

@@ -37,7 +37,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from ..checkpoint import load_bitune
+from ..loading import load_bitune
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..model import BituneModel, token_logprobs
@@ -205,7 +205,8 @@ class BituneLM(TemplateLM):
         prefill = Prefill.concat([p for p, _ in pending]) if len(pending) > 1 else pending[0][0]
         requests = [groups[ctx] for _, ctxs in pending for ctx in ctxs]
         for part in self._answer_passes(requests, conts, prefill.mask.shape[1]):
-            scores = score_continuations(self.model, prefill, [[conts[i] for i in ids] for ids in part])
+            scores = score_continuations(self.model.weights, self.model.text_config, prefill,
+                                         [[conts[i] for i in ids] for ids in part])
             for i, score in zip((i for ids in part for i in ids), scores):
                 results[i] = score
         pending.clear()

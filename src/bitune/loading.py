@@ -1,0 +1,50 @@
+"""What ``bitune generate``, ``chat``, ``plot``, ``serve`` and ``eval`` load: a Bitune checkpoint, or a base model
+as the ``pretrained`` variant, with its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import read_config
+from .config import PROMPT_PASSES, BituneConfig
+from .errors import BituneError
+from .hub import check_dtype, load_model, resolve_device
+from .model import BituneModel
+
+
+def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
+                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
+    """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+
+    Args:
+        checkpoint: a folder written by :meth:`BituneModel.save_pretrained`.
+        model: a base model name or folder (instead of ``checkpoint``).
+        base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
+        dtype: parameter dtype. Default float32.
+        device: torch device; default cuda if available, else cpu.
+        prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
+
+    Returns:
+        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
+    """
+    if (checkpoint is None) == (model is None):
+        raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    if prompt_passes not in PROMPT_PASSES:
+        raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
+    device = resolve_device(device)
+    check_dtype(dtype)
+    if checkpoint is not None:
+        name = base or read_config(Path(checkpoint)).base_model
+        if not name:
+            raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
+        hf_model, tokenizer = load_model(name, dtype=dtype)
+        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes)
+    else:
+        hf_model, tokenizer = load_model(model, dtype=dtype)
+        bitune = BituneModel(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)
+    return bitune.to(device).eval(), tokenizer
+
+
+__all__ = ["load_bitune"]
