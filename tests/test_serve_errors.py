@@ -66,6 +66,14 @@ BAD = [  # (path, body, status, param)
     ("completions", {"model": "tiny", "prompt": [1, 9999]}, 400, "prompt"),
     ("completions", {"model": "tiny", "prompt": "a", "echo": True}, 400, "echo"),
     ("completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
+    # a lone surrogate is valid JSON ("\ud800") but not text: refused before the tokenizer sees it
+    ("chat/completions", {**OK, "messages": [{"role": "user", "content": "a \ud800 b"}]}, 400, "messages[0].content"),
+    ("chat/completions", {**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     400, "messages[0].content[0].text"),
+    ("chat/completions", {**OK, "stop": ["a", "\ud800"]}, 400, "stop[1]"),
+    ("completions", {"model": "tiny", "prompt": "a \udc80 b"}, 400, "prompt"),
+    ("completions", {"model": "tiny", "prompt": ["a \udc80 b"]}, 400, "prompt[0]"),
+    ("completions", b'{"model": "tiny", "prompt": "a \xff b"}', 400, None),  # not UTF-8
 ]
 
 

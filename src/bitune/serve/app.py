@@ -126,6 +126,11 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
     async def _unexpected(request, e: Exception):
         return JSONResponse(api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
 
+    @app.exception_handler(400)
+    async def _unparsable(request, e):  # FastAPI could not decode the body (not UTF-8)
+        return JSONResponse(api.error_body("the body is not valid JSON: it could not be decoded as UTF-8",
+                                           code="invalid_json"), 400)
+
     @app.exception_handler(404)
     async def _not_found(request, e):
         return JSONResponse(api.error_body(f"no route {request.method} {request.url.path}", code="not_found"), 404)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import BituneError
+from ..files import check_text
 
 MAX_STOPS = 4
 """Stop strings per request (OpenAI's limit)."""
@@ -39,8 +42,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A 400 naming the field of the first of pydantic's/FastAPI's validation ``errors``."""
-    e = errors[0]
+    """A 400 naming the field of the first of pydantic's/FastAPI's validation ``errors``; a check of ours
+    (``value_error``) comes first: where a union's other member fails on the type, ours is the one that matched."""
+    e = next((x for x in errors if x.get("type") == "value_error"), errors[0])
     loc = [str(x) for x in e.get("loc", ())][1:]  # drop "body"
     if e.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
@@ -65,6 +69,18 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 # --------------------------------------------------------------------------------------------------- requests
+def _unicode(text: str) -> str:
+    """Refuses a lone surrogate: a valid JSON escape (``"\\ud800"``) but not text, which no tokenizer encodes."""
+    try:
+        return check_text(text, "this text")
+    except BituneError as e:
+        raise ValueError(str(e)) from None
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string that is text: what reaches the tokenizer or is compared with generated text."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -73,14 +89,14 @@ class TextPart(_Strict):
     """A text part of a message's content (OpenAI's content-part list); other part types are refused."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Strict):
     """One chat message. ``developer`` is OpenAI's newer name for ``system``."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
@@ -103,7 +119,7 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
     """Seeds this request's own sampler: the same seeded request gives the same text, alone or among others."""
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -175,7 +191,7 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, text or token ids, taken as given."""
 
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    prompt: Text | list[int] | list[Text] = Field(min_length=1)
     logprobs: None = None
     echo: Literal[False] = False
 
