@@ -99,7 +99,8 @@ def pad_prompts(rows: list[list[int]], pad: int, device=None) -> tuple[torch.Ten
     """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens."""
     for i, r in enumerate(rows):
         if len(r) < 2:
-            raise BituneError(f"prompt {i} has {len(r)} token(s); at least 2 are needed")
+            raise BituneError(f"prompt {i} has {len(r)} token(s); at least 2 are needed (both prompt passes read "
+                              "all but the last token, which opens the answer)")
     return pad_rows(rows, pad, "left", device)
 
 

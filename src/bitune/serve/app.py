@@ -84,7 +84,8 @@ class Served:
         """The scheduler job of a request, after the checks that need the prompt's length."""
         param = "prompt" if isinstance(body, api.CompletionRequest) else "messages"
         if len(prompt) < 2:
-            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed", param)
+            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed (both "
+                               "prompt passes read all but the last token, which opens the answer)", param)
         asked = body.limit
         try:  # the library's rule: prompt + answer within the model's positions
             limit = max_new_tokens_for(self.model, len(prompt), next(
