@@ -183,6 +183,49 @@ def test_hand_edited_eval_json_is_one_clear_error(tmp_path, capsys, broken, mess
     assert message in err and "eval.json" in err and "Traceback" not in err
 
 
+def _cut(r):
+    r["samples"]["arc_challenge"] = {k: v[:2] for k, v in r["samples"]["arc_challenge"].items()}
+
+
+def _rotate(r):
+    table = r["samples"]["arc_challenge"]
+    table["doc_id"] = table["doc_id"][1:] + table["doc_id"][:1]
+
+
+def _gold(r):
+    r["samples"]["arc_challenge"]["gold"][2] = 3
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_cut, "2 questions, but tasks.arc_challenge.n is 4"),
+    (lambda r: r["samples"]["arc_challenge"]["acc"].pop(), "lists differ in length"),
+    (lambda r: r["samples"]["arc_challenge"]["doc_id"].__setitem__(1, 0), "doc_id 0 appears more than once"),
+    (lambda r: r["samples"]["arc_challenge"]["doc_id"].__setitem__(1, "1"), "not an integer"),
+    (lambda r: r["samples"]["arc_challenge"]["acc"].__setitem__(0, 2.0), "acc[0] is 2.0"),
+    (lambda r: r["samples"]["arc_challenge"]["acc"].__setitem__(0, float("nan")), "acc[0] is nan"),
+    (lambda r: r["samples"]["arc_challenge"]["acc"].__setitem__(1, 1.0), "its mean 0.750000 is not"),
+    (lambda r: r["tasks"]["arc_challenge"].__setitem__("acc", "high"), "metric 'acc' is 'high'"),
+    (_rotate, "disagree on the correct answer of 4 questions"),
+    (_gold, "disagree on the correct answer of 1 questions (the first: doc_id 2)"),
+])
+def test_an_edited_or_cut_per_question_table_is_one_clear_error(tmp_path, capsys, edit, message):
+    """A per-question table that no longer matches its questions or its own summary would pair the wrong
+    questions silently: refused, naming the file or run and the place."""
+    def run(label, correct):
+        r = paired_record(label, 42, correct)
+        r["samples"]["arc_challenge"]["gold"] = [0, 1, 2, 3]
+        return r
+
+    runs, edited = tmp_path / "r", run("bitune", [1, 0, 0, 1])
+    write_runs(runs, [run("lora", [1, 1, 0, 1]), edited])
+    assert main(["report", str(runs), "--no-figure", "--output", str(tmp_path / "ok")]) == 0  # unedited: fine
+    edit(edited)
+    write_runs(runs, [edited])
+    assert main(["report", str(runs), "--no-figure", "--output", str(tmp_path / "edited")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_several_inputs_need_an_output_folder(tmp_path, capsys):
     for name in ("a", "b"):
         write_runs(tmp_path / name, [paired_record("lora", 42, [1, 0])])

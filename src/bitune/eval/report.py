@@ -117,11 +117,16 @@ class Report:
         return out.getvalue()
 
 
-def metric_of(task: str, metrics: dict, metric: str = "acc", gsm8k_metric: str = "exact_match_strict") -> float:
-    name = gsm8k_metric if task == "gsm8k" else metric
+def metric_of(task: str, metrics: dict, metric: str = "acc", gsm8k_metric: str = "exact_match_strict",
+              run: str = "") -> float:
+    """The reported metric of one task (``gsm8k_metric`` for gsm8k); ``run`` names the run in errors."""
+    name, where = gsm8k_metric if task == "gsm8k" else metric, f"{run}: " if run else ""
     if name not in metrics:
-        raise BituneError(f"task {task}: metric {name!r} missing (has {sorted(metrics)})")
-    return float(metrics[name])
+        raise BituneError(f"{where}task {task}: metric {name!r} missing (has {sorted(metrics)})")
+    value = metrics[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BituneError(f"{where}task {task}: metric {name!r} is {value!r}, not a number")
+    return float(value)
 
 
 def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict") -> Report:
@@ -136,7 +141,8 @@ def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exa
     tasks = [t for t in TASK_ORDER if t in seen] + sorted(seen - set(TASK_ORDER))
     per_run: dict[tuple, dict[str, float]] = {}  # (label, seed, n) -> {task: value}
     for r in records:
-        values = {t: metric_of(t, m, metric, gsm8k_metric) for t, m in r["tasks"].items()}
+        run = f"run {r['label']} (seed {r['config'].get('train_seed')})"
+        values = {t: metric_of(t, m, metric, gsm8k_metric, run) for t, m in r["tasks"].items()}
         key = (r["label"], r["config"].get("train_seed"), 0)
         while key in per_run and set(per_run[key]) & set(values):  # the same task twice: another run
             key = (*key[:2], key[2] + 1)
@@ -179,6 +185,8 @@ class TaskRuns:
     doc_ids: list[int]
     limit: int | None
     methods: dict[str, Runs]
+    gold: tuple[str, list] | None = None
+    """The run that first stored the correct answers, and those answers (every other run must agree)."""
 
 
 def collect_runs(records: list[dict], metric: str = "acc",
@@ -206,11 +214,20 @@ def collect_runs(records: list[dict], metric: str = "acc",
             correct = np.asarray(table[name], dtype=np.float64)[order]  # (n,)
             limit = r["config"].get("limit")
             entry = tasks.setdefault(task, TaskRuns(doc_ids, limit, {}))
-            if doc_ids != entry.doc_ids:
-                raise BituneError(f"task {task}: run {r['label']} (seed {r['config'].get('train_seed')}) was "
-                                  f"evaluated on {len(doc_ids)} questions, other runs on {len(entry.doc_ids)} "
-                                  "(different --limit?); paired statistics need the same questions")
             seed = r["config"].get("train_seed")
+            if doc_ids != entry.doc_ids:
+                raise BituneError(f"task {task}: run {r['label']} (seed {seed}) was evaluated on {len(doc_ids)} "
+                                  f"questions, other runs on {len(entry.doc_ids)} (different --limit?); paired "
+                                  "statistics need the same questions")
+            run = f"{r['label']} (seed {seed})"
+            gold = [table["gold"][i] for i in order] if "gold" in table else None
+            if gold is not None and entry.gold is not None and gold != entry.gold[1]:
+                (first, known), differ = entry.gold, [d for d, a, b in zip(doc_ids, gold, entry.gold[1]) if a != b]
+                raise BituneError(f"task {task}: runs {first} and {run} disagree on the correct answer of "
+                                  f"{len(differ)} questions (the first: doc_id {differ[0]}): not the same questions "
+                                  "(another dataset version, or an edited file)")
+            if entry.gold is None and gold is not None:
+                entry.gold = (run, gold)
             runs = entry.methods.setdefault(r["label"], Runs([], np.zeros((0, len(doc_ids)))))
             if seed in runs.seeds:
                 raise BituneError(f"task {task}: method {r['label']} has two runs with seed {seed}")
@@ -370,11 +387,43 @@ def load_records(files: list[Path]) -> list[dict]:
                 raise BituneError(f"{f}: tasks.{task} is not a mapping of metrics")
         if record.get("samples") is not None and not isinstance(record["samples"], dict):
             raise BituneError(f"{f}: field 'samples' is not a mapping of tasks")
+        for task, table in (record.get("samples") or {}).items():
+            _check_samples(f, task, table, record["tasks"].get(task, {}))
         train_s = _train_seconds(f.parent / "log.jsonl")
         if train_s is not None:
             record.setdefault("timing", {})["train_s"] = train_s
         records.append(record)
     return records
+
+
+def _check_samples(f: Path, task: str, table, metrics: dict) -> None:
+    """One task's per-question table: parallel lists, distinct integer ``doc_id``s, 0/1 correctness whose mean is
+    the task's stored metric. A file cut, reordered or edited by hand fails here, with the place named, instead of
+    pairing the wrong questions silently."""
+    where = f"{f}: samples.{task}"
+    if not isinstance(table, dict) or not all(isinstance(v, list) for v in table.values()):
+        raise BituneError(f"{where} is not a mapping of per-question lists")
+    lengths = {k: len(v) for k, v in table.items()}
+    if len(set(lengths.values())) > 1:
+        raise BituneError(f"{where}: its lists differ in length ({', '.join(f'{k} {n}' for k, n in lengths.items())})")
+    ids = table.get("doc_id", [])
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise BituneError(f"{where}.doc_id holds a value that is not an integer")
+    if len(set(ids)) != len(ids):
+        raise BituneError(f"{where}: doc_id {next(i for i in ids if ids.count(i) > 1)} appears more than once")
+    if isinstance(metrics.get("n"), int) and metrics["n"] != len(ids):
+        raise BituneError(f"{where}: {len(ids)} questions, but tasks.{task}.n is {metrics['n']}")
+    for name, stored in metrics.items():
+        if name == "n" or name not in table or not table[name]:
+            continue
+        values = table[name]
+        bad = next((i for i, v in enumerate(values) if v not in (0, 1)), None)
+        if bad is not None:
+            raise BituneError(f"{where}.{name}[{bad}] is {values[bad]!r}: per-question correctness is 0 or 1")
+        mean = sum(values) / len(values)
+        if isinstance(stored, (int, float)) and not isinstance(stored, bool) and abs(mean - stored) > 1e-6:
+            raise BituneError(f"{where}.{name}: its mean {mean:.6f} is not tasks.{task}.{name} ({stored}); the file "
+                              "was cut or edited")
 
 
 def _train_seconds(log: Path) -> float | None:
