@@ -63,12 +63,20 @@ def test_several_configs_merge_in_order():
     ("bitune.base_model=gemma3-270m", ["bitune.base_model", "model="]),
     ("output_dir=runs/{model}", ["output_dir", "{dataset}"]),
     ("lr", ["key=value"]),
+    ("epochs=-1", ["epochs must be > 0", "-1"]),
+    ("max_grad_norm=-0.5", ["max_grad_norm must be >= 0", "-0.5"]),
+    ("weight_decay=nan", ["weight_decay"]),
 ])
 def test_invalid_settings_are_named(override, names):
     with pytest.raises(BituneError) as e:
         load_settings(None, [override])
     for name in names:
         assert name in str(e.value)
+
+
+def test_a_wrong_epochs_is_refused_also_when_steps_overrides_it():
+    with pytest.raises(BituneError, match="epochs must be > 0, got 0"):
+        load_settings(None, ["steps=10", "epochs=0"])
 
 
 def test_bad_yaml_files(tmp_path):

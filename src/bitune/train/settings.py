@@ -134,14 +134,15 @@ class TrainSettings:
             raise BituneError("model must name a base model")
         if not self.dataset:
             raise BituneError("dataset must name a dataset")
-        if self.steps is None and not self.epochs > 0:
-            raise BituneError(f"epochs must be > 0 when steps is not set, got {self.epochs}")
+        if not self.epochs > 0:  # also when steps overrides it: a wrong value is a mistake either way
+            raise BituneError(f"epochs must be > 0, got {self.epochs}")
         if not self.lr > 0:
             raise BituneError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise BituneError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.num_workers < 0:
-            raise BituneError("weight_decay, max_grad_norm and num_workers must be >= 0")
+        for name in ("weight_decay", "max_grad_norm", "num_workers"):
+            if not getattr(self, name) >= 0:
+                raise BituneError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.eval_every is not None and self.eval_split is None:
             raise BituneError("eval_every is set but eval_split is not: name the split to validate on")
         if self.bitune.base_model is not None and self.bitune.base_model != self.model:
