@@ -81,6 +81,19 @@ def test_eval_cli_rejects_unknown_task(checkpoint, capsys):
     assert "unknown task" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),  # was: silently the task's 256
+    (["--limit", str(10**30)], "--limit must be a number of questions"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--label", " "], "--label is empty"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_eval_cli_refuses_bad_numbers_before_loading(checkpoint, capsys, option, message):
+    assert main(["eval", "--checkpoint", str(checkpoint / "final"), "--tasks", "piqa", *option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
 def test_sweep_parses_methods():
     from bitune.errors import BituneError
     from bitune.commands.sweep import parse_methods
@@ -125,6 +138,56 @@ def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
     md = (out / "report.md").read_text()
     assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
     assert main(args) == 0  # everything done: nothing is retrained or re-evaluated
+
+
+def _sweep_args(checkpoint, tmp_path, monkeypatch, **changes):
+    monkeypatch.setattr(data, "load_examples", fake_examples)
+    rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"model: {tmp_path / 'base'}\ndataset: {tmp_path / 'train.json'}\nsteps: 1\n"
+                      "grad_accum: 1\nlog_every: 1\nbf16: 'false'\n")
+    options = {"--config": str(config), "--methods": "bitune", "--seeds": "1", "--tasks": "piqa", "--limit": "2",
+               "--batch-size": "4", "--output-dir": str(tmp_path / "sweep"), "--device": "cpu", **changes}
+    return ["sweep", *[x for kv in options.items() for x in kv]]
+
+
+def test_sweep_restarts_an_interrupted_run_without_deleting_other_files_or_a_running_one(checkpoint, tmp_path,
+                                                                                         monkeypatch, capsys):
+    from bitune.train.run_folder import run_lock
+
+    args = _sweep_args(checkpoint, tmp_path, monkeypatch)
+    run = tmp_path / "sweep" / "bitune-1"
+    run.mkdir(parents=True)
+    (run / "notes.txt").write_text("mine")
+    (run / "log.jsonl").write_text('{"step": 1}\n')  # an interrupted run: a log, no checkpoint
+    with run_lock(run):  # another process is training there
+        assert main(args) == 2
+    assert "in use" in capsys.readouterr().err and (run / "log.jsonl").is_file() and (run / "notes.txt").is_file()
+    assert main(args) == 0  # restarted: the run's own files replaced, the user's kept
+    assert (run / "notes.txt").read_text() == "mine" and (run / "eval.json").is_file()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"--limit": "3"}, "with --limit 2; this sweep asks for piqa with --limit 3"),
+    ({"--tasks": "arc_easy"}, "evaluation of piqa with --limit 2; this sweep asks for arc_easy"),
+])
+def test_sweep_refuses_an_earlier_evaluation_of_other_tasks_or_questions(checkpoint, tmp_path, monkeypatch, capsys,
+                                                                          changes, message):
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch)) == 0
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch, **changes)) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"--seeds": "42,42"}, "--seeds names 42 twice"),
+    ({"--methods": "lora,bitune,lora"}, "--methods names 'lora' twice"),
+    ({"--limit": "0"}, "--limit must be"),
+    ({"--batch-size": "0"}, "--batch-size must be >= 1"),
+])
+def test_sweep_refuses_bad_options_before_training(checkpoint, tmp_path, monkeypatch, capsys, changes, message):
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch, **changes)) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "sweep").exists()
 
 
 def test_lm_eval_own_cli_runs_the_bitune_model_type(checkpoint, tmp_path, monkeypatch):

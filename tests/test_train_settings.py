@@ -86,6 +86,8 @@ def test_bad_yaml_files(tmp_path):
         load_settings(write(tmp_path / "bad.yaml", "lr: [1,\n"))
     with pytest.raises(BituneError, match="mapping"):
         load_settings(write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+    with pytest.raises(BituneError, match="holds no settings"):  # not "train on every default"
+        load_settings(write(tmp_path / "empty.yaml", "# nothing yet\n"))
     with pytest.raises(BituneError, match="cycle"):
         load_settings(write(tmp_path / "loop.yaml", "extends: loop.yaml\n"))
 

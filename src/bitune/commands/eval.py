@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import BituneError
 from ..eval import RESULT_FILE
-from ..eval.evaluate import evaluate_run
+from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_output_file
 from .options import add_prompt_passes_option, add_threads_option
 
@@ -58,10 +57,7 @@ def output_path(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise BituneError(f"--limit must be >= 1, got {args.limit}")
-    if args.batch_size < 1:
-        raise BituneError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
     if output_path(args) is not None:
         check_output_file(output_path(args), "--output")  # before the evaluation, not after it
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,

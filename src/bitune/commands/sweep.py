@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError
 from ..eval import RESULT_FILE
-from ..eval.evaluate import evaluate_run
+from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from .options import add_threads_option
 from ..eval.report import aggregate, load_records, print_report, write_report
 from ..eval.tasks import make_tasks
@@ -72,6 +71,9 @@ def parse_methods(text: str) -> list[Method]:
         methods.append(Method(name, m.group(1), int(m.group(2)) if m.group(2) else None))
     if not methods:
         raise BituneError("--methods is empty")
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):  # one run would count twice in the report
+        raise BituneError(f"--methods names {next(x for x in labels if labels.count(x) > 1)!r} twice")
     return methods
 
 
@@ -91,6 +93,8 @@ def parse_seeds(text: str) -> list[int]:
         raise BituneError(f"--seeds must be comma-separated integers, got {text!r}") from e
     if not seeds:
         raise BituneError("--seeds is empty")
+    if len(set(seeds)) != len(seeds):  # the same run would count as two seeds, with zero spread
+        raise BituneError(f"--seeds names {next(x for x in seeds if seeds.count(x) > 1)} twice")
     return seeds
 
 
@@ -115,11 +119,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads_option(parser)
 
 
+def check_done(result: Path, tasks: list[str], limit: int | None) -> bool:
+    """Whether ``result`` (a run's ``eval.json``) exists and holds this sweep's tasks and ``--limit``; one that
+    holds others is an error (a report from it would show other tasks or questions than asked for)."""
+    if not result.is_file():
+        return False
+    record = load_records([result])[0]
+    done, was = sorted(record["tasks"]), record["config"].get("limit")
+    if done != sorted(tasks) or was != limit:
+        raise BituneError(f"{result} holds an evaluation of {', '.join(done)} with --limit {was}; this sweep asks "
+                          f"for {', '.join(sorted(tasks))} with --limit {limit}. Use another --output-dir, or "
+                          "delete that eval.json to evaluate the run again")
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     methods, seeds = parse_methods(args.methods), parse_seeds(args.seeds)
-    make_tasks(args.tasks)
-    out = Path(args.output_dir)
+    check_eval_options(args.limit, args.batch_size)  # before anything trains
     base_model = load_settings(args.config, args.overrides).model  # validates the config up front
+    with quiet_lm_eval():
+        tasks = [t.config.task.removeprefix("bitune_") for t in make_tasks(args.tasks)]
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise BituneError(f"--output-dir {out} is a file, not a folder")
     results: list[Path] = []
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
     plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]
@@ -127,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = out / (method.label if seed is None else f"{method.label}-{seed}")
         result = run_dir / RESULT_FILE
         results.append(result)
-        if result.is_file():
+        if check_done(result, tasks, args.limit):
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
             continue
         if seed is None:
@@ -139,11 +161,13 @@ def run(args: argparse.Namespace) -> int:
             settings = load_settings(method.configs(args.config),
                                      [*args.overrides, *method.overrides(), f"seed={seed}", f"output_dir={run_dir}"])
             resume = any(run_dir.glob("checkpoint-*"))
-            if not resume and run_dir.exists():  # an interrupted run with nothing to resume: the sweep's own folder
+            restart = not resume and run_dir.exists()
+            if restart:  # an interrupted run with nothing to resume: the trainer replaces its own files only
                 print(f"bitune sweep: {run_dir} holds an unfinished run without a checkpoint; starting it again")
-                shutil.rmtree(run_dir)
             print(f"bitune sweep: training {method.label} seed {seed} -> {run_dir}")
-            train_run(settings, resume=resume)
+            # train's own --overwrite: under the run's lock (never a run in progress), once the model and data
+            # have loaded, and only what a run writes (checkpoints, final/, log, settings), not other files
+            train_run(settings, resume=resume, overwrite=restart)
         evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                      device=args.device, label=method.label, output=result)
     report = aggregate(load_records(results), args.metric)

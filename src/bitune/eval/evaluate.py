@@ -125,7 +125,7 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
                                           fewshot_random_seed=seed, bootstrap_iters=1000, log_samples=True,
                                           task_manager=TaskManager(include_defaults=False),
                                           apply_chat_template=template == "chat",
-                                          gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None)
+                                          gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens is not None else None)
     done = time.perf_counter()
     timing = {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
     return task_metrics(results), timing, task_samples(results)
@@ -161,6 +161,22 @@ def quiet_lm_eval():
             evaluator.get_git_commit_hash = original
 
 
+def check_eval_options(limit: int | None = None, batch_size: int = 8, max_new_tokens: int | None = None,
+                       seed: int = 1234, label: str | None = None) -> None:
+    """The numbers an evaluation is given, checked before anything loads (``bitune eval`` and ``bitune sweep``,
+    which checks them before it trains); a BituneError names the option."""
+    if limit is not None and not 1 <= limit <= sys.maxsize:
+        raise BituneError(f"--limit must be a number of questions >= 1, got {limit}")
+    if batch_size < 1:
+        raise BituneError(f"--batch-size must be >= 1, got {batch_size}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise BituneError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= seed < 2**32:
+        raise BituneError(f"--seed must be in [0, 2**32), got {seed}")
+    if label is not None and not label.strip():
+        raise BituneError("--label is empty: name the run, or leave --label out for the default")
+
+
 def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, base: str | None = None,
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
@@ -171,6 +187,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     Returns:
         The result record (see the module docstring); ``output`` is written as JSON when given.
     """
+    check_eval_options(limit, batch_size, max_new_tokens, seed, label)
     with quiet_lm_eval():
         make_tasks(tasks)  # unknown task names fail before the model loads
     if template not in (None, "paper", "chat"):

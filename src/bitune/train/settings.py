@@ -267,9 +267,11 @@ def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in _seen:
         raise BituneError(f"{path}: 'extends' forms a cycle")
     try:
-        data = yaml.safe_load(read_text(path, "config file")) or {}
+        data = yaml.safe_load(read_text(path, "config file"))
     except yaml.YAMLError as e:
         raise BituneError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
+    if data is None:  # an empty file (or comments only): most likely the wrong file, not "all defaults"
+        raise BituneError(f"{path}: holds no settings (empty); leave --config out to train with the defaults")
     if not isinstance(data, dict):
         raise BituneError(f"{path}: expected a mapping of settings at the top level")
     parent = data.pop(EXTENDS_KEY, None)
