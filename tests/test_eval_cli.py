@@ -120,26 +120,6 @@ def test_sweep_method_files_are_overlays_labelled_by_name():
                                                                                           1e-3)
 
 
-@pytest.mark.slow
-def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "load_examples", fake_examples)
-    rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]
-    (tmp_path / "train.json").write_text(json.dumps(rows))
-    config = tmp_path / "sweep.yaml"
-    config.write_text(f"model: {tmp_path / 'base'}\ndataset: {tmp_path / 'train.json'}\nsteps: 1\n"
-                      "grad_accum: 1\nlog_every: 1\nbf16: 'false'\n")
-    out = tmp_path / "sweep"
-    args = ["sweep", "--config", str(config), "--methods", "pretrained,bitune", "--seeds", "1,2",
-            "--tasks", "piqa", "--limit", "2", "--batch-size", "4", "--output-dir", str(out), "--device", "cpu"]
-    assert main(args) == 0
-    for run in ("pretrained", "bitune-1", "bitune-2"):
-        assert (out / run / "eval.json").is_file()
-    assert json.loads((out / "bitune-2" / "eval.json").read_text())["config"]["train_seed"] == 2
-    md = (out / "report.md").read_text()
-    assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
-    assert main(args) == 0  # everything done: nothing is retrained or re-evaluated
-
-
 def _sweep_args(checkpoint, tmp_path, monkeypatch, **changes):
     monkeypatch.setattr(data, "load_examples", fake_examples)
     rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]
@@ -150,6 +130,19 @@ def _sweep_args(checkpoint, tmp_path, monkeypatch, **changes):
     options = {"--config": str(config), "--methods": "bitune", "--seeds": "1", "--tasks": "piqa", "--limit": "2",
                "--batch-size": "4", "--output-dir": str(tmp_path / "sweep"), "--device": "cpu", **changes}
     return ["sweep", *[x for kv in options.items() for x in kv]]
+
+
+@pytest.mark.slow
+def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
+    args = _sweep_args(checkpoint, tmp_path, monkeypatch, **{"--methods": "pretrained,bitune", "--seeds": "1,2"})
+    out = tmp_path / "sweep"
+    assert main(args) == 0
+    for run in ("pretrained", "bitune-1", "bitune-2"):
+        assert (out / run / "eval.json").is_file()
+    assert json.loads((out / "bitune-2" / "eval.json").read_text())["config"]["train_seed"] == 2
+    md = (out / "report.md").read_text()
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
+    assert main(args) == 0  # everything done: nothing is retrained or re-evaluated
 
 
 def test_sweep_restarts_an_interrupted_run_without_deleting_other_files_or_a_running_one(checkpoint, tmp_path,
