@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,29 @@ def test_generate_output_paths_are_checked_before_any_answer(saved, tmp_path, mo
         assert main(["generate", "--checkpoint", str(ckpt), "--input", str(prompts), "--output", str(bad)]) == 2
         assert "--output" in one_error_line(capsys, "generate")
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_an_output_never_overwrites_the_input_or_the_checkpoint(saved, tmp_path, monkeypatch, capsys):
+    ckpt, _ = saved
+    import bitune.commands.generate
+
+    monkeypatch.setattr(bitune.commands.generate, "generate_texts", lambda *a, **k: pytest.fail("answers computed"))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    kept = {p: p.read_bytes() for p in [prompts, *Path(ckpt).rglob("*")] if p.is_file()}
+    same = tmp_path / "sub" / ".." / "in.jsonl"  # the input under another spelling
+    for out, named in ((same, "would overwrite --input"), (Path(ckpt) / "mixer.safetensors", "inside the checkpoint"),
+                       (Path(ckpt) / "answers.jsonl", "inside the checkpoint")):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        assert main(["generate", "--checkpoint", str(ckpt), "--input", str(prompts), "--output", str(out)]) == 2
+        assert named in one_error_line(capsys, "generate")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--checkpoint", str(ckpt), "--save", str(Path(ckpt) / "bitune_config.json")]) == 2
+    assert "inside the checkpoint" in one_error_line(capsys, "chat")
+    assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "piqa", "--output",
+                 str(Path(ckpt) / "bitune_config.json")]) == 2
+    assert "would overwrite a file of the checkpoint" in one_error_line(capsys, "eval")
+    assert {p: p.read_bytes() for p in kept} == kept
 
 
 def test_chat_save_path_is_checked_before_the_chat(saved, tmp_path, monkeypatch, capsys):

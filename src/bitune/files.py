@@ -46,14 +46,28 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def check_output_file(path: str | Path, what: str = "output file") -> Path:
-    """Check, before any work, that a file can be written at ``path``: not a folder, and its nearest existing
-    parent a folder this process may write into.
+def check_output_file(path: str | Path, what: str = "output file",
+                      keep: tuple[tuple[str, str | Path | None], ...] = ()) -> Path:
+    """Check, before any work, that a file can be written at ``path``: not a folder, its nearest existing parent a
+    folder this process may write into, and none of the inputs in ``keep``.
+
+    Args:
+        keep: ``(name, path)`` of what the command reads (an input file, a checkpoint folder: anything in it):
+            writing there would destroy it. A ``None`` path is skipped.
 
     Raises:
         BituneError: naming ``what``, the path and the problem.
     """
     path = Path(path).expanduser()
+    target = path.resolve()
+    for name, kept in keep:
+        if kept is None:
+            continue
+        kept = Path(kept).expanduser().resolve()
+        if target == kept or (kept.is_dir() and kept in target.parents):
+            raise BituneError(f"{what} {path} would overwrite {name} {kept}; write somewhere else" if target == kept
+                              else f"{what} {path} is inside {name} {kept}, which must stay as it is; write "
+                                   "somewhere else")
     if path.is_dir():
         raise BituneError(f"{what} {path} is a folder; give a file path")
     _check_parent(path, what)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError("--max-new-tokens must be >= 1")
     sampling = sampling_options(args)
     if args.save:
-        check_output_file(args.save, "--save")  # before the model loads and the conversation starts
+        check_output_file(args.save, "--save", keep=(("the checkpoint", args.checkpoint),))  # before loading
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
     if args.seed is not None:
         set_seed(args.seed)

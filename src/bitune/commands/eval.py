@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import BituneError
 from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_output_file
@@ -58,8 +59,13 @@ def output_path(args: argparse.Namespace) -> Path | None:
 
 def run(args: argparse.Namespace) -> int:
     check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
-    if output_path(args) is not None:
-        check_output_file(output_path(args), "--output")  # before the evaluation, not after it
+    out = output_path(args)
+    if out is not None:  # before the evaluation, not after it
+        inside = args.checkpoint and Path(args.checkpoint).resolve() in out.resolve().parents
+        if inside and out.exists() and out.name != RESULT_FILE:
+            raise BituneError(f"--output {out} would overwrite a file of the checkpoint {args.checkpoint}; write "
+                              "somewhere else")
+        check_output_file(out, "--output")
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                  limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                  seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")
     if args.output:
-        check_output_file(args.output, "--output")  # before the answers are computed
+        check_output_file(args.output, "--output", keep=(("--input", args.input), ("the checkpoint",
+                                                                                    args.checkpoint)))
     records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
