@@ -104,6 +104,32 @@ def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):
     assert "holds no mixing ratios" in capsys.readouterr().err
 
 
+GOOD = '{"step": 2, "a_k": [0.4, 0.6], "a_v": [0.5, 0.5]}'
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"a_k": [0.4, 0.6], "a_v": [0.5, 0.5]}', "'step' is None"),
+    ('{"step": -3, "a_k": [0.4, 0.6], "a_v": [0.5, 0.5]}', "'step' is -3"),
+    ('{"step": 3, "a_k": null, "a_v": [0.5, 0.5]}', "a_k is None; expected a list"),
+    ('{"step": 3, "a_k": 0.5, "a_v": [0.5, 0.5]}', "a_k is 0.5; expected a list"),
+    ('{"step": 3, "a_k": [], "a_v": []}', "a_k is []"),
+    ('{"step": 3, "a_k": [0.4, NaN], "a_v": [0.5, 0.5]}', "a_k[1] is nan"),
+    ('{"step": 3, "a_k": [0.4, 1e300], "a_v": [0.5, 0.5]}', "a_k[1] is 1e+300"),
+    ('{"step": 3, "a_k": [0.4, true], "a_v": [0.5, 0.5]}', "a_k[1] is True"),
+    ('{"step": 3, "a_k": [0.4, [0.5]], "a_v": [0.5, 0.5]}', "a_k[1] is [0.5]"),
+    ('{"step": 3, "a_k": [0.4, "x"], "a_v": [0.5, 0.5]}', "a_k[1] is 'x'"),
+    ('{"step": 3, "a_k": [0.4], "a_v": [0.5]}', "different number of layers"),
+])
+def test_a_malformed_mixing_line_is_a_one_line_error_naming_it(tmp_path, capsys, line, message):
+    """A figure drawn from values that cannot be mixing ratios would be a silently wrong figure."""
+    log = tmp_path / LOG_FILE
+    log.write_text(f'{GOOD}\n"a text line"\n\n{line}\n')
+    assert main(["plot", "mixing", "--log", str(log), "--output", str(tmp_path / "fig")]) == 2
+    err = capsys.readouterr().err
+    assert f"{log}:4: " in err and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "fig").exists()
+
+
 def test_attention_figure_shows_causal_and_bidirectional_maps_with_token_labels():
     tok, model = tiny_tokenizer(), tiny_bitune()
     ids, mask = encode(tok, [render(tok, "why is the sky blue?")[0]], True)
@@ -138,3 +164,9 @@ def test_plot_attention_cli_writes_a_png(tmp_path):
     assert main(["plot", "attention", "--checkpoint", str(ckpt), "--prompt", "what is 2+2?", "--output", str(out),
                  "--device", "cpu"]) == 0
     assert (out / "attention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_negative_max_labels_is_refused_before_loading(tmp_path, capsys):
+    assert main(["plot", "attention", "--model", str(tmp_path / "no-model"), "--prompt", "hi", "--max-labels", "-5",
+                 "--output", str(tmp_path)]) == 2
+    assert "--max-labels must be >= 0" in capsys.readouterr().err

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .adapters import WeightSets
 from .attention import attention_implementation
 from .errors import BituneError
+from .files import read_text
 from .generation import encode, render
 from .inputs import check_prompt
 from .masks import pass_mask, position_ids
@@ -55,23 +56,38 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
     if not path.is_file():
         raise BituneError(f"--log {path}: no such file")
     by_step: dict[int, tuple[list[float], list[float]]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "--log").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if "a_k" not in record or "a_v" not in record:
-            continue
-        L = len(next(iter(by_step.values()))[0]) if by_step else len(record["a_k"])
-        if not len(record["a_k"]) == len(record["a_v"]) == L:
+        if not isinstance(record, dict) or ("a_k" not in record and "a_v" not in record):
+            continue  # not a mixing record (the log also holds other lines)
+        step, ratios = record.get("step"), [_ratios(record.get(key), f"{path}:{n}: {key}") for key in ("a_k", "a_v")]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise BituneError(f"{path}:{n}: 'step' is {step!r}; a training step is an integer >= 0")
+        L = len(next(iter(by_step.values()))[0]) if by_step else len(ratios[0])
+        if not len(ratios[0]) == len(ratios[1]) == L:
             raise BituneError(f"{path}:{n}: a_k/a_v have a different number of layers than earlier lines")
-        by_step[int(record["step"])] = ([float(a) for a in record["a_k"]], [float(a) for a in record["a_v"]])
+        by_step[step] = (ratios[0], ratios[1])
     if not by_step:
         raise BituneError(f"{path} holds no mixing ratios (a_k/a_v): is it the log of a variant that mixes?")
     L = len(next(iter(by_step.values()))[0])
     by_step.setdefault(0, ([INITIAL_RATIO] * L, [INITIAL_RATIO] * L))
     steps = sorted(by_step)
     return steps, {"k": [by_step[s][0] for s in steps], "v": [by_step[s][1] for s in steps]}
+
+
+def _ratios(values, where: str) -> list[float]:
+    """One line's mixing ratios: a non-empty list of numbers in [0, 1] (a = |θ| / (θ_init + |θ|)), one per layer."""
+    if not isinstance(values, list) or not values:
+        raise BituneError(f"{where} is {values!r}; expected a list of mixing ratios, one per layer")
+    for i, a in enumerate(values):
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise BituneError(f"{where}[{i}] is {a!r}; a mixing ratio is a number in [0, 1]")
+    return [float(a) for a in values]
 
 
 def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):

@@ -8,6 +8,7 @@ import sys
 
 from ..loading import load_bitune
 from ..config import TEMPLATES
+from ..errors import BituneError
 from ..files import check_output_dir
 from ..generation import pick_template
 from ..plot import ATTENTION_FILE, FINAL_FILE, STEPS_FILE, plot_attention, plot_mixing
@@ -39,6 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.figure == "attention" and args.max_labels < 0:
+        raise BituneError(f"--max-labels must be >= 0 (0: no token labels), got {args.max_labels}")
     check_output_dir(args.output, "--output")  # before the model loads
     if args.figure == "mixing":
         paths = plot_mixing(args.log, args.output)
