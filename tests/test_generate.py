@@ -101,7 +101,9 @@ def test_user_errors_exit_2_with_one_line(saved, tmp_path, capsys):
              ["--prompt", "x", "--template", "chat"],  # the tiny tokenizer has no chat template
              ["--prompt", "x", "--stop=--"],  # argparse reads '--' as the end of options: no stop text
              ["--prompt", "  "]]
-    for bad in ('{"prompt": ""}', '{"prompt": 5}', '{"instruction": "   "}', '{"text": "x"}', "not json"):
+    for bad in ('{"prompt": ""}', '{"prompt": 5}', '{"instruction": "   "}', '{"text": "x"}', "not json",
+                '{"prompt": null, "instruction": "x"}', '{"instruction": "x", "input": 5}',
+                '{"instruction": "x", "input": ["a"]}', '{"instruction": null}'):
         (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\n' + bad + "\n")
         cases.append(["--input", str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out.jsonl")])
     for extra in cases:

@@ -62,12 +62,18 @@ def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
             raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
         if not isinstance(record, dict) or not ({"prompt", "instruction"} & set(record)):
             raise BituneError(f"{path}:{n}: needs a 'prompt' or an 'instruction' field")
-        text = record.get("prompt")
-        if text is None:
-            text = f"{record['instruction']}\n{record['input']}" if record.get("input") else record["instruction"]
-        if not isinstance(text, str) or not text.strip():
-            raise BituneError(f"{path}:{n}: the prompt must be a non-empty string")
-        check_text(text, f"{path}:{n}: the prompt")
+        if "prompt" in record and "instruction" in record:
+            raise BituneError(f"{path}:{n}: has both 'prompt' and 'instruction'; give one")
+        fields = ("prompt",) if "prompt" in record else ("instruction", "input")
+        for name in fields:  # each a string ('input' may be missing or empty)
+            value = record.get(name, "")
+            if not isinstance(value, str):
+                raise BituneError(f"{path}:{n}: '{name}' is {type(value).__name__}, not a string")
+            check_text(value, f"{path}:{n}: '{name}'")
+        text = record["prompt"] if "prompt" in record else "\n".join(x for x in (record["instruction"],
+                                                                                 record.get("input", "")) if x)
+        if not text.strip():
+            raise BituneError(f"{path}:{n}: the prompt is empty")
         records.append(record)
         prompts.append(text)
     if not records:
