@@ -126,6 +126,20 @@ def test_chat_cli_reads_a_pipe_answers_two_turns_and_exits(saved, mode, tmp_path
     assert [line.strip() for line in printed[2:]] == expected  # the streamed text is the answer
 
 
+def test_chat_commands_quit_and_unknown_ones_are_not_sent_to_the_model(saved, tmp_path, monkeypatch, capsys):
+    ckpt, _ = saved
+    out = tmp_path / "chat.json"
+    lines = ["/foo", "/", "/reset extra", "//x is a path", "/RESET", f"{TURNS[0]}", "/quit", "never read"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--checkpoint", str(ckpt), "--max-new-tokens", "3", "--save", str(out),
+                 "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert all(f"unknown command {c!r} (not sent)" in captured.err for c in ("/foo", "/", "/reset extra"))
+    printed = captured.out.splitlines()  # the answer to "/x is a path", the reset, the answer to TURNS[0]
+    assert len(printed) == 3 and printed[1] == "(conversation reset)"
+    assert [m["content"] for m in json.loads(out.read_text())["messages"][::2]] == [TURNS[0]]  # /RESET forgot "/x"
+
+
 def test_chat_cli_ends_at_end_of_input(saved, monkeypatch, capsys):
     ckpt, _ = saved
     monkeypatch.setattr("sys.stdin", io.StringIO(TURNS[0]))  # no newline, no /exit

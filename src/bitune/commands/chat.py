@@ -15,6 +15,7 @@ from ..errors import BituneError
 from ..files import check_output_file, check_text
 from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options
 
+COMMANDS = "/reset clears the history, /exit (or /quit) quits, // starts a message with /"
 HELP = "multi-turn chat with a checkpoint in the terminal"
 MAX_LINE = 1 << 20
 """Longest user line read, in characters (a longer one is an error, never read whole)."""
@@ -24,7 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = HelpFormatter
     parser.description = (
         "Chat with a Bitune checkpoint, one line per user turn, from the terminal or a pipe. Commands: /reset "
-        "(forget the conversation), /exit (or end of input). Examples:\n"
+        "(forget the conversation), /exit or /quit (or end of input); a line starting with // is sent with one / "
+        "(other /words are refused as unknown commands). Examples:\n"
         "  bitune chat --checkpoint runs/ultrafeedback/final\n"
         "  bitune chat --checkpoint runs/ultrafeedback/final --mode alternating --save chat.json\n"
         "  printf 'Hi!\\nWhat is 2+2?\\n/exit\\n' | bitune chat --checkpoint runs/ultrafeedback/final\n"
@@ -68,20 +70,25 @@ def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     print(f"bitune chat: {args.mode} mode, {conv.template} template ({conv.why})", file=sys.stderr)
     if interactive:
-        print("/reset clears the history, /exit quits")
+        print(COMMANDS)
     try:
         for n in itertools.count(1):
             if interactive:
                 print("> ", end="", flush=True)
             line = read_line(sys.stdin, n)
-            if not line or line.strip() == "/exit":
+            if not line:
                 break
-            text = line.rstrip("\n")
-            if text.strip() == "/reset":
+            text, command = line.rstrip("\n"), line.strip().lower()
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/reset":
                 conv.reset()
                 print("(conversation reset)", flush=True)
+            elif command.startswith("/") and not command.startswith("//"):
+                print(f"bitune chat: unknown command {line.strip()!r} (not sent): {COMMANDS}", file=sys.stderr,
+                      flush=True)
             elif text.strip():
-                conv.say(text)
+                conv.say(text[1:] if text.lstrip().startswith("//") else text)
     finally:
         if args.save:
             conv.save(args.save)
