@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -315,6 +316,31 @@ def test_incompatible_or_corrupt_checkpoints_are_rejected(tmp_path):
         BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"))
     with pytest.raises(ValueError, match="not a Bitune checkpoint"):
         BituneModel.from_pretrained(tmp_path, base=tiny_model("llama"))
+
+
+def test_a_checkpoint_whose_config_and_weights_disagree_or_hold_nan_is_rejected(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = wrap("llama")
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    BituneModel.from_pretrained(ckpt, base=tiny_model("llama"))  # as saved: loads
+    config = json.loads((ckpt / "bitune_config.json").read_text())
+    for variant, stray in (("lora", "mixer.safetensors, bidir/"), ("pretrained", "mixer.safetensors, causal/, bidir/"),
+                           ("naive_bidir", "mixer.safetensors, bidir/")):
+        edited = tmp_path / variant
+        shutil.copytree(ckpt, edited)
+        (edited / "bitune_config.json").write_text(json.dumps({**config, "variant": variant}))
+        with pytest.raises(ValueError, match=f"holds {stray}, which its config \\(variant '{variant}'\\)"):
+            BituneModel.from_pretrained(edited, base=tiny_model("llama"))
+    for part in ("mixer.safetensors", "bidir/adapter_model.safetensors"):
+        broken = tmp_path / f"nan-{part.split('/')[0]}"
+        shutil.copytree(ckpt, broken)
+        state = load_file(str(broken / part))
+        next(iter(state.values())).view(-1)[0] = float("nan")
+        save_file(state, str(broken / part))
+        with pytest.raises(ValueError, match="holds NaN or infinite values"):
+            BituneModel.from_pretrained(broken, base=tiny_model("llama"))
 
 
 def _wider_llama():

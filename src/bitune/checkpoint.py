@@ -31,6 +31,8 @@ from .files import apply_umask, read_text, replace_dir
 
 CONFIG_FILE = "bitune_config.json"
 MIXER_FILE = "mixer.safetensors"
+WEIGHT_SETS = ("causal", "bidir")
+"""Folder names of the weight sets a checkpoint can hold."""
 FULL_FILE = "model.safetensors"
 
 
@@ -78,6 +80,12 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
 def load_weights(model, directory: str | os.PathLike) -> None:
     """Load trained weights from a checkpoint folder into ``model``, strictly (every tensor must match)."""
     directory = Path(directory)
+    config = model.config
+    stray = [n for n in (MIXER_FILE,) if model.mixer is None and (directory / n).exists()]
+    stray += [n + "/" for n in WEIGHT_SETS if n not in config.weight_sets and (directory / n).exists()]
+    if stray:  # weights the config does not use: it was edited, or the folder mixes two checkpoints
+        raise ValueError(f"{directory} holds {', '.join(stray)}, which its config (variant {config.variant!r}) does "
+                         "not use: the config and the weights disagree")
     if model.mixer is not None:
         state = _read_safetensors(directory / MIXER_FILE)
         try:
@@ -134,12 +142,17 @@ def read_config(directory: str | os.PathLike) -> BituneConfig:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one checkpoint file, every value finite (NaN/inf: a diverged or damaged run)."""
     if not path.is_file():
         raise ValueError(f"checkpoint file missing: {path}")
     try:
-        return load_file(str(path))
+        state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"corrupt checkpoint file {path}: {e}") from e
+    for k, t in state.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
+    return state
 
 
 def _copy_exactly(params: dict[str, nn.Parameter], state: dict, path: Path) -> None:
