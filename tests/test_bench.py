@@ -41,6 +41,12 @@ def test_bench_rejects_malformed_lengths(tmp_path, capsys):
     assert "PROMPT:ANSWER" in capsys.readouterr().err
 
 
+def test_bench_train_refuses_lengths_past_the_models_positions(tmp_path, capsys):
+    save_checkpoint(tmp_path)
+    assert main(["bench", "train", "--model", str(tmp_path / "base"), "--lengths", "8:8,100000:10"]) == 2
+    assert "must fit the model's" in capsys.readouterr().err
+
+
 def test_bench_rejects_impossible_counts(capsys):
     assert main(["bench", "generate", "--new-tokens", "1"]) == 2
     assert "--new-tokens >= 2" in capsys.readouterr().err

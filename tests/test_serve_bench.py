@@ -9,7 +9,8 @@ import pytest
 from eval_helpers import tiny_tokenizer
 from gen_helpers import save_checkpoint
 
-from bitune.serve.bench import ours, prompts, run_servers, summarize
+from bitune.errors import BituneError
+from bitune.serve.bench import checkpoints, ours, prompts, run_servers, summarize
 
 
 def test_prompts_have_exactly_the_asked_length_and_differ():
@@ -36,3 +37,37 @@ def test_a_tiny_load_on_our_server_counts_every_generated_token(tmp_path):
     results = run_servers([[server]], texts, args)["tiny"]  # a request with another token count raises
     assert len(results) == 1 and results[0]["requests"] == 4 and results[0]["tokens_per_s"] > 0
     assert server.process.poll() is not None  # stopped
+
+
+def test_a_server_that_fails_to_start_is_reported_with_its_own_error(tmp_path):
+    args = types.SimpleNamespace(threads=1, dtype="float32", device="cpu", rounds=1, requests=1, new_tokens=2)
+    server = ours("broken", ["--checkpoint", str(tmp_path / "missing")], args, 1)
+    with pytest.raises(BituneError, match="server broken exited with status 2: .*is not a Bitune checkpoint"):
+        run_servers([[server]], ["a b"], args)
+
+
+def test_given_checkpoints_must_be_what_their_rows_claim(tmp_path):
+    lora, _ = save_checkpoint(tmp_path / "l", variant="lora")
+    bitune, _ = save_checkpoint(tmp_path / "b")
+    base = str(tmp_path / "b" / "base")
+    for given, message in (({"lora": str(bitune), "bitune": None}, "--lora .* is a 'bitune' checkpoint"),
+                           ({"lora": None, "bitune": str(lora)}, "--bitune .* is a 'lora' checkpoint")):
+        with pytest.raises(BituneError, match=message):
+            checkpoints(types.SimpleNamespace(model=base, **given), tmp_path)
+    with pytest.raises(BituneError, match="the rows would compare different models"):
+        checkpoints(types.SimpleNamespace(model="smollm2-135m", bitune=str(bitune), lora=None), tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"prompt_tokens": 10**6}, "do not fit the model's"),
+    ({"device": "tpu"}, "--device 'tpu' is not a torch device"),
+])
+def test_bench_serve_refuses_what_no_server_could_run_before_starting_any(tmp_path, change, message):
+    from bitune.serve.bench import bench_serve
+
+    save_checkpoint(tmp_path)
+    args = types.SimpleNamespace(**{"clients": 1, "requests": 1, "rounds": 1, "threads": 1, "max_batch_size": 1,
+                                    "prompt_tokens": 8, "new_tokens": 2, "device": "cpu",
+                                    "model": str(tmp_path / "base"), **change})
+    with pytest.raises(BituneError, match=message):
+        bench_serve(args)

@@ -229,6 +229,9 @@ def bench_train(args) -> dict:
         raise ValueError(f"--lengths {args.lengths!r}: prompts need >= 2 tokens and answers >= 1")
     paths = ("fused", "batched", "sequential")
     lora = _build(args.model, "lora", device, dtype)[0]
+    positions = lora.text_config.max_position_embeddings
+    if any(p + a > positions for p, a in lengths):
+        raise ValueError(f"--lengths {args.lengths!r}: prompt + answer must fit the model's {positions} positions")
     bitune = _build(args.model, "bitune", device, dtype)[0]  # one model, its passes run each of the three ways
     default = f"bitune_{bitune.forward_path()}"  # what prompt_passes="auto" trains with
     runs = {"lora": (lora, None), **{f"bitune_{p}": (bitune, p) for p in paths}}

@@ -89,8 +89,10 @@ def wait_ready(server: Server, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise BituneError(f"server {server.name} exited with status {server.process.returncode}; see its log "
-                              f"{server.log.name}")
+            server.log.flush()
+            lines = [x.strip() for x in Path(server.log.name).read_text(errors="replace").splitlines() if x.strip()]
+            why = next((x for x in reversed(lines) if " error: " in x), lines[-1] if lines else "no output")
+            raise BituneError(f"server {server.name} exited with status {server.process.returncode}: {why}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
             conn.request("GET", "/v1/models")
@@ -231,10 +233,19 @@ def checkpoints(args, work: Path) -> dict[str, str]:
     from ..hub import load_model
     from ..model import BituneModel
 
+    from ..checkpoint import read_config
+
     out = {}
     for variant in ("bitune", "lora"):
         given = getattr(args, variant)
         if given:
+            config = read_config(given)  # the row's name must be what is served: a LoRA row of a Bitune checkpoint
+            if (config.variant == "lora") != (variant == "lora") or config.variant == "pretrained":  # is no ratio
+                raise BituneError(f"--{variant} {given} is a {config.variant!r} checkpoint; --{variant} needs "
+                                  f"{'a lora' if variant == 'lora' else 'a Bitune-variant'} checkpoint")
+            if config.base_model not in (None, args.model):
+                raise BituneError(f"--{variant} {given} was trained on {config.base_model!r}, not --model "
+                                  f"{args.model!r}: the rows would compare different models")
             out[variant] = given
             continue
         base, _ = load_model(args.model)
@@ -247,16 +258,21 @@ def bench_serve(args) -> dict:
     """Run the comparisons; print the table; return the record written as JSON."""
     from rich.console import Console
     from rich.table import Table
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from ..hub import resolve_model
+    from ..hub import resolve_device, resolve_model
 
     for flag in ("clients", "requests", "rounds", "threads", "max_batch_size"):
         if getattr(args, flag) < 1:
             raise BituneError(f"--{flag.replace('_', '-')} must be >= 1")
     if args.prompt_tokens < 2 or args.new_tokens < 1:
         raise BituneError("--prompt-tokens must be >= 2 and --new-tokens >= 1")
+    resolve_device(args.device)  # a bad --device fails here, not in each server's log
     folder = resolve_model(args.model)
+    positions = AutoConfig.from_pretrained(folder).get_text_config().max_position_embeddings
+    if args.prompt_tokens + args.new_tokens > positions:
+        raise BituneError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} do not fit the "
+                          f"model's {positions} positions")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     texts = prompts(tokenizer, args.clients, args.prompt_tokens)
     load_before = os.getloadavg()
