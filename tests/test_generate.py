@@ -113,6 +113,15 @@ def test_user_errors_exit_2_with_one_line(saved, tmp_path, capsys):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_too_short_prompt_is_named_by_its_place_among_all_prompts():
+    from bitune.generation import encode
+
+    tok = tiny_tokenizer()
+    one = next(t for t in ("a", "b", "x") if len(tok(t, add_special_tokens=False)["input_ids"]) == 1)
+    with pytest.raises(BituneError, match="prompt 5 has 1 token"):  # the 2nd of a batch that starts at prompt 4
+        encode(tok, ["hello there", one], add_special_tokens=False, first=3)
+
+
 # --------------------------------------------------------------------------------------------------- the model's context
 def _short_context(model, positions: int = 16):
     model.text_config.max_position_embeddings = positions  # the base model's config: what every path reads

@@ -89,18 +89,21 @@ def render_messages(tokenizer, messages: list[dict[str, str]], template: str = "
     raise BituneError(f"--template {template!r} is not one of {list(TEMPLATES)}")
 
 
-def encode(tokenizer, texts: list[str], add_special_tokens: bool, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``(ids, mask)``, each (B, P), of already rendered prompts (at least 2 tokens each)."""
+def encode(tokenizer, texts: list[str], add_special_tokens: bool, device=None,
+           first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(ids, mask)``, each (B, P), of already rendered prompts (at least 2 tokens each); ``first``:
+    the index of ``texts[0]`` among all prompts, for errors."""
     rows = [tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in texts]
-    return pad_prompts(rows, pad_id(tokenizer), device)
+    return pad_prompts(rows, pad_id(tokenizer), device, first)
 
 
-def pad_prompts(rows: list[list[int]], pad: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens."""
+def pad_prompts(rows: list[list[int]], pad: int, device=None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens (errors count prompts from 1, the
+    first of ``rows`` being number ``first + 1``)."""
     for i, r in enumerate(rows):
         if len(r) < 2:
-            raise BituneError(f"prompt {i} has {len(r)} token(s); at least 2 are needed (both prompt passes read "
-                              "all but the last token, which opens the answer)")
+            raise BituneError(f"prompt {first + i + 1} has {len(r)} token(s); at least 2 are needed (both prompt "
+                              "passes read all but the last token, which opens the answer)")
     return pad_rows(rows, pad, "left", device)
 
 
@@ -193,7 +196,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
     answers = []
     for start in range(0, len(prompts), batch_size):
         rendered = [render(tokenizer, p, template) for p in prompts[start:start + batch_size]]
-        ids, mask = encode(tokenizer, [r for r, _ in rendered], rendered[0][1], device)
+        ids, mask = encode(tokenizer, [r for r, _ in rendered], rendered[0][1], device, start)
         room = answer_room(model, ids.shape[1], max_new_tokens,
                            f"prompt {start + int(mask.sum(1).argmax()) + 1}")  # the longest of the batch
         streamer = StopStreamer(tokenizer, stop) if stream else None
