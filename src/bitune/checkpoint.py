@@ -81,8 +81,9 @@ def load_weights(model, directory: str | os.PathLike) -> None:
     """Load trained weights from a checkpoint folder into ``model``, strictly (every tensor must match)."""
     directory = Path(directory)
     config = model.config
-    stray = [n for n in (MIXER_FILE,) if model.mixer is None and (directory / n).exists()]
-    stray += [n + "/" for n in WEIGHT_SETS if n not in config.weight_sets and (directory / n).exists()]
+    stray = [n + "/" for n in WEIGHT_SETS if n not in config.weight_sets and (directory / n).exists()]
+    if model.mixer is None and (directory / MIXER_FILE).exists():
+        stray.insert(0, MIXER_FILE)
     if stray:  # weights the config does not use: it was edited, or the folder mixes two checkpoints
         raise ValueError(f"{directory} holds {', '.join(stray)}, which its config (variant {config.variant!r}) does "
                          "not use: the config and the weights disagree")

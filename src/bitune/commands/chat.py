@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"bitune chat: unknown command {line.strip()!r} (not sent): {COMMANDS}", file=sys.stderr,
                       flush=True)
             elif text.strip():
-                conv.say(text[1:] if text.lstrip().startswith("//") else text)
+                conv.say(text.lstrip()[1:] if command.startswith("//") else text)
     finally:
         if args.save:
             conv.save(args.save)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..errors import BituneError
 from ..eval import RESULT_FILE
-from ..eval.evaluate import check_eval_options, evaluate_run
+from ..eval.evaluate import evaluate_run
 from ..files import check_output_file
 from .options import add_prompt_passes_option, add_threads_option
 
@@ -58,16 +57,13 @@ def output_path(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
     out = output_path(args)
-    if out is not None:  # before the evaluation, not after it
-        inside = args.checkpoint and Path(args.checkpoint).resolve() in out.resolve().parents
-        if inside and out.exists() and out.name != RESULT_FILE:
-            raise BituneError(f"--output {out} would overwrite a file of the checkpoint {args.checkpoint}; write "
-                              "somewhere else")
-        check_output_file(out, "--output")
+    if out is not None:  # before the evaluation, not after it; eval.json may sit in the checkpoint, nothing else
+        ckpt_files = [p for p in Path(args.checkpoint).rglob("*") if p.is_file()] if args.checkpoint else []
+        check_output_file(out, "--output", keep=tuple(("a file of the checkpoint", p) for p in ckpt_files
+                                                      if p.name != RESULT_FILE))
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                  limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=output_path(args),
+                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
                  template=args.template, prompt_passes=args.prompt_passes)
     return 0

@@ -24,7 +24,7 @@ from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from .options import add_threads_option
 from ..eval.report import aggregate, load_records, print_report, write_report
-from ..eval.tasks import make_tasks
+from ..eval.tasks import PREFIX, make_tasks
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     check_eval_options(args.limit, args.batch_size)  # before anything trains
     base_model = load_settings(args.config, args.overrides).model  # validates the config up front
     with quiet_lm_eval():
-        tasks = [t.config.task.removeprefix("bitune_") for t in make_tasks(args.tasks)]
+        tasks = [t.config.task.removeprefix(PREFIX) for t in make_tasks(args.tasks)]
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise BituneError(f"--output-dir {out} is a file, not a folder")

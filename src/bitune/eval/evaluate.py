@@ -117,6 +117,7 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
     with quiet_lm_eval():
         task_objs = make_tasks(tasks)
     loaded = time.perf_counter()
+    gen_kwargs = None if max_new_tokens is None else {"max_gen_toks": max_new_tokens}  # None: the task's own
     with quiet_lm_eval():
         # Our tasks are Task objects: lm-eval's default TaskManager would first index its ~10k bundled YAML
         # files (18 s on a 2-core machine, every call) to resolve names nobody asks for.
@@ -125,7 +126,7 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
                                           fewshot_random_seed=seed, bootstrap_iters=1000, log_samples=True,
                                           task_manager=TaskManager(include_defaults=False),
                                           apply_chat_template=template == "chat",
-                                          gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens is not None else None)
+                                          gen_kwargs=gen_kwargs)
     done = time.perf_counter()
     timing = {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
     return task_metrics(results), timing, task_samples(results)
