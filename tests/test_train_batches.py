@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import EOS, VOCAB
 from dist_helpers import Interrupt
-from test_train import make_trainer, read_log, weights
+from test_train import make_trainer, read_log, samples, weights
 
 from bitune.data.sampling import LengthGroupedSampler, grouped_order, padding_share
+from bitune.errors import BituneError
 from bitune.train.trainer import checkpoints, run_training
 
 
@@ -149,3 +150,48 @@ def test_clip_setting_is_validated():
 
     with pytest.raises(BituneError, match="clip='mixer'"):
         TrainSettings(clip="mixer")
+
+
+def logged_batches(run_dir: Path) -> list[str]:
+    """The per-step batch digests of a run, in step order."""
+    return [d for r in read_log(run_dir) if "batches" in r for d in r["batches"]]
+
+
+def test_methods_and_step_counts_draw_the_same_batches(tmp_path):
+    """A study compares methods on the same batches: LoRA r8, LoRA r16, Bitune and LoRA given more steps draw the
+    same sequence (the longer run continues it), step for step, as their logs' digests show."""
+    data = samples(40, seed=1)
+    common = dict(batch_size=2, grad_accum=2, steps=5, log_every=2)
+    runs = {"lora": {"bitune": {"variant": "lora"}}, "lora16": {"bitune": {"variant": "lora", "rank": 16}},
+            "bitune": {}, "lora_compute": {"bitune": {"variant": "lora"}, "steps": 9},
+            "other_seed": {"bitune": {"variant": "lora"}, "seed": 1}}
+    digests = {}
+    for name, overrides in runs.items():
+        trainer, settings = make_trainer(tmp_path / name, data=data, **{**common, **overrides})
+        run_training(trainer, settings)
+        digests[name] = logged_batches(tmp_path / name / "run")
+    lora = digests["lora"]
+    assert len(lora) == 5 and len(set(lora)) == 5  # one digest per step, and the steps differ
+    assert digests["lora16"] == lora and digests["bitune"] == lora
+    assert len(digests["lora_compute"]) == 9 and digests["lora_compute"][:5] == lora
+    assert digests["other_seed"] != lora  # the digest sees the order
+
+
+def test_data_steps_repeats_the_first_steps_batches(tmp_path):
+    """``data_steps: N``: the first N steps as a run without it, then those N batches again, in the same order."""
+    data = samples(40, seed=1)
+    digests = {}
+    for name, overrides in {"all": {}, "repeat": {"data_steps": 3}}.items():
+        trainer, settings = make_trainer(tmp_path / name, data=data, batch_size=2, grad_accum=2, steps=8,
+                                         log_every=3, **overrides)
+        run_training(trainer, settings)
+        digests[name] = logged_batches(tmp_path / name / "run")
+    first = digests["all"][:3]
+    assert digests["repeat"] == first + first + first[:2]
+    assert digests["all"][3:6] != first
+
+
+def test_data_steps_past_the_data_is_refused(tmp_path):
+    trainer, settings = make_trainer(tmp_path, data=samples(8), batch_size=2, grad_accum=2, data_steps=3)
+    with pytest.raises(BituneError, match="data_steps=3 needs 12 training examples.*has 8"):
+        run_training(trainer, settings)

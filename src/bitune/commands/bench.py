@@ -56,6 +56,8 @@ def configure(parser) -> None:
     da.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a setting, e.g. --set batch_size=8")
     da.add_argument("--steps", type=int, default=6, help="timed optimizer steps per method (after 1 warm-up)")
+    da.add_argument("--rounds", type=int, default=1,
+                    help="times the same steps are timed, interleaved; the time ratio's median is reported")
     da.add_argument("--output", default=None, help="also write the results as JSON here")
     sh = sub.add_parser("sharding", help="per-process parameter, gradient and AdamW bytes under DDP vs FSDP2, and "
                                          "activation bytes with checkpointing on vs off (starts N processes)")
@@ -108,8 +110,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.bench == "sharding" and (args.prompt < 2 or args.answer < 1 or args.batch_size < 1):
         raise ValueError("bench sharding needs --prompt >= 2, --answer >= 1 and --batch-size >= 1")
-    if args.bench == "data" and args.steps < 1:
-        raise ValueError("bench data needs --steps >= 1")
+    if args.bench == "data" and (args.steps < 1 or args.rounds < 1):
+        raise ValueError("bench data needs --steps >= 1 and --rounds >= 1")
     if args.output:
         check_output_file(args.output, "--output")  # before the benchmark runs
     if args.bench == "sharding":
@@ -352,7 +354,8 @@ def bench_data(args) -> dict:
     Batches come in the trainer's length-grouped order (the first ``steps + 1`` batches of epoch 0). Reports
     real (non-padding) prompt + answer tokens per second for each method, their time ratio next to the FLOP ratio
     of the same real lengths, sum(2 P + A) / sum(P + A), and the padding share of a whole epoch with and without
-    grouping.
+    grouping. With ``rounds`` > 1 the same steps are timed again (the models keep training) and the time ratio
+    is the median of the rounds' ratios (each round's in ``round_time_ratios``); tokens/s pool all rounds.
     """
     settings = load_settings(args.config, args.overrides)
     device, dtype = _device_dtype(args.dtype)
@@ -378,19 +381,26 @@ def bench_data(args) -> dict:
         models[variant] = BituneModel.wrap(fresh.to(device), config, settings.prompt_passes).train()
     opts = {v: torch.optim.AdamW(m.trainable_parameters().values(), lr=1e-4) for v, m in models.items()}
     times = {v: [] for v in models}
-    for i, batch in enumerate(batches):
-        for v, model in models.items():  # interleaved: drift hits both alike
-            seconds, _ = _step(model, opts[v], batch, device)
-            if i:
-                times[v].append(seconds)
+    ratios = []
+    for _ in range(args.rounds):
+        round_times = {v: [] for v in models}
+        for i, batch in enumerate(batches):
+            for v, model in models.items():  # interleaved: drift hits both alike
+                seconds, _ = _step(model, opts[v], batch, device)
+                if i:
+                    round_times[v].append(seconds)
+        ratios.append(sum(round_times["bitune"]) / sum(round_times["lora"]))
+        for v in models:
+            times[v] += round_times[v]
     timed = [j for i in range(1, args.steps + 1) for j in grouped[i * B:(i + 1) * B]]
     real = sum(lengths[j][0] + lengths[j][1] for j in timed)
     flop = sum(2 * lengths[j][0] + lengths[j][1] for j in timed) / real
     total = {v: sum(t) for v, t in times.items()}
     result = {"model": settings.model, "dataset": settings.dataset, "batch_size": B, "steps": args.steps,
               "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
-              "real_tokens": real, "tokens_per_s": {v: real / total[v] for v in models},
-              "time_ratio": total["bitune"] / total["lora"], "flop_ratio": flop,
+              "real_tokens": real, "tokens_per_s": {v: args.rounds * real / total[v] for v in models},
+              "rounds": args.rounds, "round_time_ratios": ratios, "time_ratio": statistics.median(ratios),
+              "flop_ratio": flop,
               "padding_share": {"grouped": padding_share(lengths, grouped, B),
                                 "random": padding_share(lengths, shuffled, B),
                                 "grouped_one_pass": padding_share(lengths, grouped, B, prompt_reads=1),
@@ -400,7 +410,7 @@ def bench_data(args) -> dict:
     Console().print(
         f"{settings.model} on {settings.dataset}, batch {B}, {args.steps} steps each, {device.type}, "
         f"{result['threads']} threads: LoRA {result['tokens_per_s']['lora']:.0f} real tokens/s, Bitune "
-        f"{result['tokens_per_s']['bitune']:.0f}; time ratio {result['time_ratio']:.2f}x, FLOP ratio of the real "
+        f"{result['tokens_per_s']['bitune']:.0f}; time ratio {result['time_ratio']:.2f}x (median of {args.rounds} round(s)), FLOP ratio of the real "
         f"lengths {flop:.2f}x, time / FLOP ratio {result['time_over_flop_ratio']:.2f} (target <= 1.05). Padding "
         f"share of an epoch (two prompt passes): grouped {100 * pad['grouped']:.1f}%, random "
         f"{100 * pad['random']:.1f}% (target <= 10% grouped).")

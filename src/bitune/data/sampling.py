@@ -159,4 +159,33 @@ class ShuffledSampler(_EpochSeeded):
         return self.size
 
 
-__all__ = ["LengthGroupedSampler", "ShuffledSampler", "grouped_order", "padding_share"]
+class RepeatedPrefix(Sampler[int]):
+    """The first ``size`` indices of ``base``'s first-epoch order, in that order, in every epoch: training on the
+    examples of a run's first steps only, in the same batches, again and again (``data_steps``).
+
+    Args:
+        base: the sampler whose epoch-0 order is cut (its batches stay whole when ``size`` is a multiple of the
+            global batch).
+        size: indices kept.
+    """
+
+    def __init__(self, base: _EpochSeeded, size: int):
+        if not 0 < size <= len(base):
+            raise ValueError(f"size must be in [1, {len(base)}], got {size}")
+        self.base, self.size = base, size
+        self._order: list[int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:  # every epoch repeats the same order
+        pass
+
+    def __iter__(self) -> Iterator[int]:
+        if self._order is None:
+            self.base.set_epoch(0)
+            self._order = self.base.order()[:self.size]
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+__all__ = ["LengthGroupedSampler", "RepeatedPrefix", "ShuffledSampler", "grouped_order", "padding_share"]

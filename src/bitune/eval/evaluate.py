@@ -10,12 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import platform
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import lm_eval
@@ -29,6 +27,7 @@ from rich.table import Table
 from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import write_text_atomic
+from ..provenance import source_commit, versions
 from ..generation import pick_template
 from . import RESULT_FILE, SCHEMA
 from .lm import BituneLM
@@ -46,17 +45,6 @@ def default_label(config) -> str:
         if config.method != "lora":
             name = f"{config.method}_{name}"
     return name
-
-
-def versions() -> dict[str, str]:
-    """Versions of python and the packages that decide the numbers."""
-    out = {"python": platform.python_version()}
-    for pkg in ("bitune", "torch", "transformers", "peft", "lm_eval"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 def _train_seed(checkpoint: Path) -> int | None:
@@ -219,7 +207,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
             "prompt_passes": model.prefill_path(),
-            "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(),
+            "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(), "commit": source_commit(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3),
                    "torch_threads": torch.get_num_threads()},

@@ -1,7 +1,8 @@
 """The training log: one JSON record per line in ``log.jsonl``, the same numbers in TensorBoard.
 
-A record is ``{"step": N, <numbers>, "a_k": [...], "a_v": [...], "elapsed_s": s}``: the per-layer mixing ratios
-of a Bitune model ride along with every record. Only the main process of a multi-process job makes a logger.
+A record is ``{"step": N, <numbers>, "batches": [...], "a_k": [...], "a_v": [...], "elapsed_s": s}``: the
+digests of the steps' batches since the previous record (:func:`bitune.train.trainer.batch_digest`) and the
+per-layer mixing ratios of a Bitune model ride along with every record. Only the main process of a multi-process job makes a logger.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class JsonlLogger:
         """Append one record: ``values``' numbers, the mixing ratios (``{"k": (L,), "v": (L,)}``), the time since
         start."""
         record: dict[str, Any] = {"step": step}
-        record.update({k: v for k, v in values.items() if isinstance(v, (int, float))})
+        record.update({k: v for k, v in values.items() if isinstance(v, (int, float)) or _strings(v)})
         for k, layer_ratios in (ratios or {}).items():  # (L,) each
             record[f"a_{k}"] = [round(float(a), 6) for a in layer_ratios]
         record["elapsed_s"] = round(time.time() - self.start, 2)
@@ -48,7 +49,7 @@ class JsonlLogger:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.writer.add_scalar(f"train/{k}", v, step)
-                elif isinstance(v, list):
+                elif k.startswith("a_"):
                     for i, a in enumerate(v):
                         self.writer.add_scalar(f"mixing/{k}/layer_{i:02d}", a, step)
             self.writer.flush()
@@ -58,6 +59,11 @@ class JsonlLogger:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _strings(value: Any) -> bool:
+    """A list of strings (``batches``: the digests of the steps' batches) is logged as it is."""
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 __all__ = ["JsonlLogger"]

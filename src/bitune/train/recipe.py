@@ -13,6 +13,7 @@ from ..data import datasets
 from ..errors import BituneError
 from ..hub import load_model
 from ..model import BituneModel
+from ..provenance import source_commit
 from .settings import TrainSettings
 from .run_folder import RunStart, start_run
 from .trainer import TrainResult, build_trainer, run_training
@@ -72,7 +73,7 @@ def _train(settings: TrainSettings, run: RunStart, say: Callable[[str], None]) -
     model = BituneModel.wrap(base, config, prompt_passes=settings.prompt_passes)
     trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)))
     result = run_training(trainer, settings, run.resume, overwrite=run.overwrite, run=run, first_log={
-        "event": "data", "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
+        "event": "data", "commit": source_commit(), "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
         "eval_examples": len(eval_data) if eval_data is not None else 0})
     loss = result.metrics.get("train_loss", result.metrics.get("train_loss_since_resume", float("nan")))
     say(f"bitune train: final model in {result.final_dir} (train_loss {loss:.4f})")

@@ -62,6 +62,10 @@ class TrainSettings:
     """Optimizer steps to train for; overrides ``epochs`` when set."""
     epochs: float = 1.0
     """Passes over the training data (used when ``steps`` is not set)."""
+    data_steps: int | None = None
+    """Train only on the examples of the first N optimizer steps of the (seed-determined) order, then repeat
+    those batches in the same order: ``steps`` > N gives more steps on the same data, not new data (none: all
+    the data). A run with ``data_steps: N`` takes the same first N batches as a run without it."""
     batch_size: int = 1
     """Examples per forward pass and process; the loss weighs every example the same (mean of per-example
     answer-token means), so N processes x batch b train like one process with batch N x b."""
@@ -125,7 +129,7 @@ class TrainSettings:
             raise BituneError(f"bf16={self.bf16!r} is not one of {list(BF16_CHOICES)}")
         for name in ("max_length", "batch_size", "grad_accum", "log_every"):
             _positive(name, getattr(self, name))
-        for name in ("limit", "eval_limit", "steps", "eval_every", "save_every", "save_total_limit"):
+        for name in ("limit", "eval_limit", "steps", "data_steps", "eval_every", "save_every", "save_total_limit"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if not 0 <= self.seed < 2**32:

@@ -20,6 +20,7 @@ main process only.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import os
@@ -35,7 +36,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 
-from ..data.sampling import LengthGroupedSampler, ShuffledSampler
+from ..data.sampling import LengthGroupedSampler, RepeatedPrefix, ShuffledSampler
 from ..errors import BituneError
 from ..model import BituneModel
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
@@ -104,6 +105,7 @@ class BituneTrainer:
         self._wrapped = None  # the model as trained: DDP-wrapped with several processes, or sharded in place
         self._positions = (0, 0)  # (real, computed) positions of the training batches since the last log
         self._window, self._window_steps = torch.zeros(()), 0  # summed step losses since the last log, steps
+        self._batches: list[str] = []  # digests of the steps' batches since the last log
         self._bar = None
 
     def add_callback(self, callback) -> None:
@@ -122,15 +124,30 @@ class BituneTrainer:
     # ---------------------------------------------------------------------------------------------- data
     def train_sampler(self) -> Sampler[int]:
         """The example order: length-grouped by the global batch (``batch_size`` x processes) when
-        ``group_by_length``, else uniformly shuffled; both from ``seed`` and the epoch only."""
-        data = self.train_dataset
+        ``group_by_length``, else uniformly shuffled; both from ``seed`` and the epoch only. It depends on the
+        data's lengths, the batch and the seed, not on the method: runs of different variants, ranks or step
+        counts draw the same sequence of batches (``batches`` in the log records it). With ``data_steps``, the
+        first ``data_steps`` steps' examples repeated.
+
+        Raises:
+            BituneError: ``data_steps`` needs more examples than the data has.
+        """
+        data, s = self.train_dataset, self.settings
         if not self.group_by_length:
-            return ShuffledSampler(len(data), self.settings.seed)
-        lengths = [(len(s["prompt_ids"]), len(s["answer_ids"])) for s in data]
-        # accelerate hands consecutive per-process batches to processes 0..N-1, so N processes take the same
-        # examples per step as one process with batch N x batch_size.
-        group = self.settings.batch_size * self.accelerator.num_processes
-        return LengthGroupedSampler(lengths, group, seed=self.settings.seed)
+            sampler = ShuffledSampler(len(data), s.seed)
+        else:
+            lengths = [(len(x["prompt_ids"]), len(x["answer_ids"])) for x in data]
+            # accelerate hands consecutive per-process batches to processes 0..N-1, so N processes take the same
+            # examples per step as one process with batch N x batch_size.
+            group = s.batch_size * self.accelerator.num_processes
+            sampler = LengthGroupedSampler(lengths, group, seed=s.seed)
+        if s.data_steps is None:
+            return sampler
+        needed = s.data_steps * s.batch_size * s.grad_accum * self.accelerator.num_processes
+        if needed > len(data):
+            raise BituneError(f"data_steps={s.data_steps} needs {needed} training examples (steps x global batch); "
+                              f"the data has {len(data)}")
+        return RepeatedPrefix(sampler, needed)
 
     def get_train_dataloader(self, sampler: Sampler[int] | None = None) -> DataLoader:
         """This process's share of the training batches (see :meth:`train_sampler`)."""
@@ -266,7 +283,8 @@ class BituneTrainer:
                    "train_steps_per_second": round(steps / runtime, 3),
                    "train_loss": self.state.loss_sum / max(self.state.global_step, 1), "epoch": self.state.epoch,
                    "torch_threads": torch.get_num_threads()}
-        self._log(summary)
+        self._log({**summary, "batches": self._batches} if self._batches else summary)  # steps not yet logged
+        self._batches = []
         return summary
 
     def _run_epoch(self, epoch: int, loader, sampler, total: int, done: int, resume_from: Path | None) -> None:
@@ -301,6 +319,7 @@ class BituneTrainer:
         one); returns the pre-clip gradient norms and the learning rate the step used."""
         model, acc = self.wrapped, self.accelerator
         model.train()
+        self._batches.append(batch_digest(group))
         for i, inputs in enumerate(group):
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (accumulate unsharded until then)
                 model.set_requires_gradient_sync(i == len(group) - 1)
@@ -330,7 +349,8 @@ class BituneTrainer:
             self._window_steps = 0
             self._log({"loss": mean, "grad_norm": norms["grad_norm"], "lr": lr,
                        **{k: v for k, v in norms.items() if k != "grad_norm"}, **self._padding_share(),
-                       "epoch": self.state.epoch})
+                       "epoch": self.state.epoch, "batches": self._batches})
+            self._batches = []
             self._bar.set_postfix(loss=f"{mean:.4g}", refresh=False)
         if self.eval_dataset is not None and s.eval_every and (step % s.eval_every == 0 or step == total):
             self.evaluate()
@@ -385,6 +405,20 @@ def ddp_kwargs() -> DistributedDataParallelKwargs:
     """How the model is wrapped in DDP: every trainable parameter gets a gradient (tests/test_distributed.py),
     so DDP is told there are no unused parameters."""
     return DistributedDataParallelKwargs(find_unused_parameters=False)
+
+
+def batch_digest(group: list[dict[str, torch.Tensor]]) -> str:
+    """A 12-hex-digit digest of one optimizer step's examples (this process's micro-batches): each row's real
+    prompt and answer tokens, in order, padding left out. Two runs took the same batches at a step exactly when
+    their digests agree (``log.jsonl``'s ``batches``: one digest per step since the previous record)."""
+    h = hashlib.blake2b(digest_size=6)
+    for inputs in group:
+        rows = zip(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
+        for pi, pm, ai, am in rows:
+            for ids, mask in ((pi, pm), (ai, am)):
+                h.update(ids[mask.bool()].to(torch.int64).cpu().numpy().tobytes())
+                h.update(b"|")
+    return h.hexdigest()
 
 
 def _norm(params: list[torch.Tensor]) -> float:
