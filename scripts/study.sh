@@ -11,6 +11,15 @@
 #   THREADS=2 ./scripts/study.sh                 # 2-core CPU (what results/smollm2-arc-csqa was made with)
 #   OUT=results/smollm2-paper CONFIG_DIR=configs/tasks ./scripts/study.sh
 #                                          # the paper's protocol as written (batch 1 x 10, CSQA one epoch; GPU)
+#   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
+#
+# Part 3 (results/smollm2-csqa-piqa-siqa): CSQA, PIQA and SIQA, each with pretrained, LoRA r8, LoRA r16, LoRA r8
+# given Bitune's compute and Bitune r8 x seeds 42/43/44, all trained by the code of ONE commit (the file COMMIT in
+# that folder) so that the methods draw the same batches: the runs import bitune from a git worktree at that
+# commit (PIN_TREE, made once; this checkout's newer code is not used for them), read their configs from it, and
+# write their small files here, where they are committed. On CSQA also lora_repeat: LoRA r8 with Bitune's compute
+# on only the examples Bitune saw (data_steps: 200). Each run's log.jsonl records the commit and every step's
+# batch digest; the report checks neither, tests/test_results.py does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/smollm2-arc-csqa}
@@ -18,6 +27,55 @@ CONFIG_DIR=${CONFIG_DIR:-configs/study}
 SEEDS=${SEEDS:-42 43 44}
 export OMP_NUM_THREADS=${THREADS:-2}
 BITUNE=${BITUNE:-.venv/bin/bitune}
+
+
+part3() {
+  local out=${OUT3:-results/smollm2-csqa-piqa-siqa}
+  local pin
+  pin=$(cat "$out/COMMIT")
+  local tree=${PIN_TREE:-.study/$pin}
+  if [ ! -d "$tree" ]; then
+    git worktree add --detach "$tree" "$pin"
+  fi
+  export PYTHONPATH="$PWD/$tree/src"  # bitune imported from the pinned tree, ahead of this checkout's
+  local got
+  got=$(.venv/bin/python -c 'from bitune.provenance import source_commit; print(source_commit())')
+  if [ "$got" != "$pin" ]; then
+    echo "study part 3: bitune imports from commit $got, not the pinned $pin" >&2
+    exit 1
+  fi
+  local conf="$tree/configs/study" ec="configs/study/part3"  # method overlays: this checkout (step counts measured at the pin)
+  sweep() {  # task, methods, seed
+    "$BITUNE" sweep --config "$conf/$1.yaml" --methods "$2" --seeds "$3" --tasks "$1" --output-dir "$out/$1"
+  }
+  # First, does LoRA move PIQA and SIQA above their trivial baselines (README: the check)?
+  for task in piqa siqa; do sweep "$task" pretrained,lora 42; done
+  # Task by task (CSQA first, with the equal-compute test), seed by seed within it: an interrupted study holds
+  # whole tasks with all four methods and paired seeds, rather than every task half done.
+  for task in csqa piqa siqa; do
+    for seed in $SEEDS; do
+      sweep "$task" "pretrained,lora,lora16,$ec/$task/lora_compute.yaml,bitune" "$seed"
+    done
+    if [ "$task" = csqa ]; then  # more steps or more data? LoRA with Bitune's compute on Bitune's 2000 examples
+      for seed in $SEEDS; do sweep csqa "$ec/csqa/lora_repeat.yaml" "$seed"; done
+    fi
+  done
+  unset PYTHONPATH
+  report "$out"
+}
+
+report() {
+  if [ -f "$1/README.md" ]; then
+    "$BITUNE" report "$1" --output "$1" --embed "$1/README.md"
+  else
+    "$BITUNE" report "$1" --output "$1"
+  fi
+}
+
+if [ "${PART:-all}" = 3 ]; then
+  part3
+  exit 0
+fi
 
 for seed in $SEEDS; do  # seed by seed, so an interrupted study holds complete LoRA/Bitune pairs
   for task in arc_challenge csqa; do
@@ -38,13 +96,6 @@ for seed in $SEEDS; do
       --tasks "$task" --output-dir "$OUT/$task"
   done
 done
-report() {
-  if [ -f "$1/README.md" ]; then
-    "$BITUNE" report "$1" --output "$1" --embed "$1/README.md"
-  else
-    "$BITUNE" report "$1" --output "$1"
-  fi
-}
 report "$OUT"
 # A base model: Gemma 3 270M (pretrained, not instruction-tuned) on CSQA, pretrained / LoRA r8 / Bitune r8.
 if [ "${BASE_MODEL:-1}" = 1 ]; then
@@ -55,3 +106,4 @@ if [ "${BASE_MODEL:-1}" = 1 ]; then
   done
   report "$GEMMA_OUT"
 fi
+part3

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from bitune.eval.stats import bootstrap_mean, mcnemar_exact
+from bitune.eval.stats import (bootstrap_mean, holm, mcnemar_exact, pooled_sign_flip_test, pooled_two_level_bootstrap,
+                               sign_flip_test, two_level_bootstrap)
 
 
 def test_mcnemar_exact_on_a_hand_computed_table():
@@ -88,7 +89,6 @@ def _pairs(per_seed_gain: list[float], n: int = 1000, seed: int = 3) -> np.ndarr
 
 
 def test_two_level_bootstrap_widens_with_seed_variation_and_question_level_does_not():
-    from bitune.eval.stats import two_level_bootstrap
 
     steady = _pairs([0.03, 0.03, 0.03])  # every seed pair gains 3 points
     erratic = _pairs([0.09, -0.03, 0.03])  # the same mean gain, varying between seed pairs
@@ -111,7 +111,6 @@ def test_two_level_bootstrap_widens_with_seed_variation_and_question_level_does_
 
 
 def test_sign_flip_test_matches_the_exact_sign_test():
-    from bitune.eval.stats import sign_flip_test
 
     # +-1 differences: |mean(s d)| >= |mean(d)| exactly when the binomial count of + signs is as extreme, so the
     # p-value is the exact two-sided sign test: 8 of 10 positive -> 2 * P[Binomial(10, 1/2) <= 2] = 2 * 56 / 1024
@@ -122,3 +121,42 @@ def test_sign_flip_test_matches_the_exact_sign_test():
     assert sign_flip_test(d) == sign_flip_test(d)  # fixed seed: reproducible
     with pytest.raises(ValueError, match="questions"):
         sign_flip_test(np.ones((2, 3)))
+
+
+def test_holm_on_a_hand_computed_family():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> kept non-decreasing: 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([0.04]) == pytest.approx([0.04])  # a family of one is not adjusted
+    assert holm([]) == []
+
+
+def test_pooled_interval_weighs_every_task_the_same():
+    """Task A: +1 on each of 10 questions; task B: 0 on each of 1000: the task mean is +0.5 (a question-weighted
+    mean would be about +0.01); with no spread inside a task the interval is the point."""
+    a, b = np.ones((2, 10)), np.zeros((2, 1000))
+    ci = pooled_two_level_bootstrap([a, b], resamples=500)
+    assert (ci.value, ci.low, ci.high) == pytest.approx((0.5, 0.5, 0.5))
+
+
+def test_pooled_interval_of_one_task_is_its_two_level_interval():
+    rng = np.random.default_rng(1)
+    diff = rng.integers(-1, 2, size=(3, 200)).astype(float)
+    pooled, single = pooled_two_level_bootstrap([diff], resamples=2000), two_level_bootstrap(diff, resamples=2000)
+    assert (pooled.value, pooled.low, pooled.high) == pytest.approx((single.value, single.low, single.high))
+
+
+def test_pooled_interval_covers_the_task_mean_of_known_gains():
+    """Three tasks with true gains +4, 0 and +2 points (task mean +2): the interval holds +2 and excludes 0."""
+    tasks = [_pairs([g, g, g], n=1500, seed=s) for g, s in ((0.04, 1), (0.0, 2), (0.02, 3))]
+    ci = pooled_two_level_bootstrap(tasks, resamples=2000)
+    assert ci.low < 0.02 < ci.high and ci.low > 0
+    assert ci.value == pytest.approx(np.mean([t.mean() for t in tasks]))
+
+
+def test_pooled_sign_flip_of_one_task_is_the_sign_flip_test():
+    d = np.r_[np.ones(20), -np.ones(10), np.zeros(50)]
+    assert pooled_sign_flip_test([d], resamples=2000) == pytest.approx(sign_flip_test(d, resamples=2000))
+    assert pooled_sign_flip_test([np.zeros(5), np.zeros(9)], resamples=200) == 1.0  # no difference at all
+    # a clear gain on a small task is not drowned by a large task without any: weighted by task, not question
+    assert pooled_sign_flip_test([np.ones(30), np.zeros(2000)], resamples=2000) < 0.01

@@ -15,9 +15,16 @@ statistics.
    With 2 or more seed pairs, a t-test of the per-seed differences (the seeds as the unit: training
    randomness), a two-level bootstrap interval (seed pairs, then questions) and a sign-flip permutation p-value over
    questions. The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``,
-   and ``bitune`` with the fair baselines ``lora16`` (its parameter count) and ``lora_compute`` (its compute).
+   and ``bitune`` with the fair baselines ``lora16`` (its parameter count), ``lora_compute`` (its compute, on new
+   examples) and ``lora_repeat`` (its compute, on the examples Bitune saw). Every comparison's sign-flip p-value
+   is adjusted by Holm's method over the family of all comparisons the report shows.
+4. **Trivial baselines** per multiple-choice task: the accuracy of always answering the k-th choice, and the best
+   such k (the split's majority answer position); the accuracy table marks a method below it.
+5. **Pooled over tasks**: each comparison made on 2 or more tasks, as the mean over tasks of the per-task paired
+   differences, with a two-level interval (seed pairs, then questions, resampled within each task) and a
+   weighted sign-flip p-value (in the Holm family too).
 
-Sections 2 and 3 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
+Sections 2-5 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
 number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
 accuracy per method with its interval and the seeds as points) is written when matplotlib is installed.
 """
@@ -39,13 +46,14 @@ from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import write_text_atomic
 from . import RESULT_FILE, SCHEMA
-from .stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact, seed_t_test, sign_flip_test, two_level_bootstrap
+from .stats import (BOOTSTRAP, bootstrap_mean, holm, mcnemar_exact, pooled_sign_flip_test, pooled_two_level_bootstrap,
+                    seed_t_test, sign_flip_test, two_level_bootstrap)
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
                "mmlu": "MMLU", "gsm8k": "GSM8K"}
 AVERAGE = "avg"
-METHOD_ORDER = ("pretrained", "lora", "lora16", "lora_compute", "bitune")
+METHOD_ORDER = ("pretrained", "lora", "lora16", "lora_compute", "lora_repeat", "bitune")
 """Rows in this order first (the paper's), then any other method by name."""
 
 
@@ -187,6 +195,8 @@ class TaskRuns:
     methods: dict[str, Runs]
     gold: tuple[str, list] | None = None
     """The run that first stored the correct answers, and those answers (every other run must agree)."""
+    choices: list[int] | None = None
+    """Number of answer choices of each question (from the stored log-likelihoods), when known."""
 
 
 def collect_runs(records: list[dict], metric: str = "acc",
@@ -228,6 +238,9 @@ def collect_runs(records: list[dict], metric: str = "acc",
                                   "(another dataset version, or an edited file)")
             if entry.gold is None and gold is not None:
                 entry.gold = (run, gold)
+            if entry.choices is None and isinstance(table.get("loglik"), list) \
+                    and all(isinstance(x, list) for x in table["loglik"]):
+                entry.choices = [len(table["loglik"][i]) for i in order]
             runs = entry.methods.setdefault(r["label"], Runs([], np.zeros((0, len(doc_ids)))))
             if seed in runs.seeds:
                 raise BituneError(f"task {task}: method {r['label']} has two runs with seed {seed}")
@@ -248,23 +261,82 @@ def _seed_text(seed: int | None) -> str:
 
 
 def accuracy_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
-    """Rows: task, n, limit, method, runs, accuracy with 95% interval (%), each seed's accuracy (%)."""
+    """Rows: task, n, limit, method, runs, accuracy with 95% interval (%), each seed's accuracy (%), and the
+    difference from the task's best trivial baseline (points; ``below`` marks a method under it)."""
     rows = []
     for task, tr in tasks.items():
+        trivial = trivial_baselines(tr)
         for label, runs in tr.methods.items():
             ci = bootstrap_mean(runs.averaged)
             per_seed = ", ".join(f"{_seed_text(s)}: {100 * c.mean():.1f}" for s, c in zip(runs.seeds, runs.correct))
+            versus = "-"
+            if trivial is not None:
+                gap = 100 * (ci.value - trivial.best[1])
+                versus = f"{gap:+.1f}" + (" **below**" if gap < 0 else "")
             rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), _limit_text(tr.limit), label,
-                         str(len(runs.seeds)), ci.text(), per_seed])
+                         str(len(runs.seeds)), ci.text(), per_seed, versus])
     return rows
 
 
-def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
-                    methods: set[str] | None = None) -> list[list[str]]:
-    """Rows: task, n, method, baseline, mean paired difference with 95% interval (points), seeds pooled,
-    per seed: the difference, the discordant counts (only method right / only baseline right) and McNemar p.
-    ``methods``: compare only these against the baselines (default: every other method)."""
+def trivial_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
+    """Rows: task, n, choices, each always-choice-k accuracy (%), the best k and its accuracy (%)."""
     rows = []
+    for task, tr in tasks.items():
+        trivial = trivial_baselines(tr)
+        if trivial is None:
+            continue
+        counts = sorted(set(tr.choices))
+        k, best = trivial.best
+        rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)),
+                     "/".join(map(str, counts)), ", ".join(f"{j}: {100 * a:.2f}" for j, a in enumerate(trivial.always)),
+                     f"always {k}: {100 * best:.2f}"])
+    return rows
+
+
+@dataclass
+class Comparison:
+    """A method against a baseline on one task, paired question by question over their common seeds."""
+
+    task: str
+    n: int
+    method: str
+    baseline: str
+    pairs: list[tuple[int | None, np.ndarray, np.ndarray]]
+    """Per seed pair: the seed, the method's (n,) correctness, the baseline's (n,) correctness."""
+    diff: np.ndarray
+    """(n,) the method's correctness averaged over its seeds minus the baseline's (over the same seeds)."""
+
+    @property
+    def pair_differences(self) -> np.ndarray:
+        """(seed pairs, n): per seed pair and question, method minus baseline."""
+        return np.stack([a - b for _, a, b in self.pairs])
+
+    @property
+    def p(self) -> float:
+        """The sign-flip p-value over questions (what Holm's adjustment takes)."""
+        if not hasattr(self, "_p"):
+            self._p = sign_flip_test(self.diff)
+        return self._p
+
+    def row(self) -> list[str]:
+        """task, n, method, baseline, seed pairs, Δ with its question-level and two-level intervals, sign-flip p,
+        per seed: Δ, discordant counts and McNemar p; the t-test over seeds."""
+        ci, two_level = bootstrap_mean(self.diff), two_level_bootstrap(self.pair_differences)
+        per_seed, tests = [], []
+        for seed, a, b in self.pairs:
+            only_a, only_b, p = mcnemar_exact(a, b)
+            per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
+            tests.append(f"{only_a}/{only_b}, p={p:.3g}")
+        t_p = seed_t_test([a.mean() - b.mean() for _, a, b in self.pairs])
+        return [TASK_TITLES.get(self.task, self.task), str(self.n), self.method, self.baseline, str(len(self.pairs)),
+                _points(ci), _points(two_level), f"{self.p:.3g}", "; ".join(per_seed), "; ".join(tests),
+                "-" if t_p is None else f"{t_p:.3g}"]
+
+
+def comparisons(tasks: dict[str, TaskRuns], baselines: list[str], methods: set[str] | None = None) -> list[Comparison]:
+    """Every method (or only ``methods``) against each baseline, per task: seed s of the method against seed s of
+    the baseline, or against the baseline's one run when it is untrained."""
+    found = []
     for task, tr in tasks.items():
         for base in baselines:
             if base not in tr.methods:
@@ -282,18 +354,69 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
                         continue
                     pairs = [(s, runs.of_seeds([s])[0], ref.of_seeds([s])[0]) for s in common]
                     diff = runs.of_seeds(common).mean(axis=0) - ref.of_seeds(common).mean(axis=0)
-                ci = bootstrap_mean(diff)
-                two_level = two_level_bootstrap(np.stack([a - b for _, a, b in pairs]))  # (pairs, n)
-                per_seed, tests = [], []
-                for seed, a, b in pairs:
-                    only_a, only_b, p = mcnemar_exact(a, b)
-                    per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
-                    tests.append(f"{only_a}/{only_b}, p={p:.3g}")
-                t_p = seed_t_test([a.mean() - b.mean() for _, a, b in pairs])
-                rows.append([TASK_TITLES.get(task, task), str(len(tr.doc_ids)), label, base, str(len(pairs)),
-                             _points(ci), _points(two_level), f"{sign_flip_test(diff):.3g}", "; ".join(per_seed),
-                             "; ".join(tests), "-" if t_p is None else f"{t_p:.3g}"])
-    return rows
+                found.append(Comparison(task, len(tr.doc_ids), label, base, pairs, diff))
+    return found
+
+
+def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
+                    methods: set[str] | None = None) -> list[list[str]]:
+    """Rows (:meth:`Comparison.row`) of every method (or only ``methods``) against each baseline, per task."""
+    return [c.row() for c in comparisons(tasks, baselines, methods)]
+
+
+@dataclass
+class Pooled:
+    """A method against a baseline over several tasks: the mean over tasks of the per-task paired differences."""
+
+    method: str
+    baseline: str
+    parts: list[Comparison]
+
+    @property
+    def p(self) -> float:
+        if not hasattr(self, "_p"):
+            self._p = pooled_sign_flip_test([c.diff for c in self.parts])
+        return self._p
+
+    def row(self) -> list[str]:
+        """tasks, method, baseline, seed pairs per task, the task-averaged Δ with the per-task Δs, its two-level
+        interval, the sign-flip p."""
+        ci = pooled_two_level_bootstrap([c.pair_differences for c in self.parts])
+        each = "; ".join(f"{TASK_TITLES.get(c.task, c.task)} {100 * c.diff.mean():+.1f}" for c in self.parts)
+        return [" + ".join(TASK_TITLES.get(c.task, c.task) for c in self.parts), self.method, self.baseline,
+                "/".join(str(len(c.pairs)) for c in self.parts), f"{100 * ci.value:+.1f}", each, _points(ci),
+                f"{self.p:.3g}"]
+
+
+def pooled(found: list[Comparison]) -> list[Pooled]:
+    """Each method-baseline pair compared on 2 or more tasks, pooled over those tasks (in report order)."""
+    groups: dict[tuple[str, str], list[Comparison]] = {}
+    for c in found:
+        groups.setdefault((c.method, c.baseline), []).append(c)
+    return [Pooled(m, b, parts) for (m, b), parts in groups.items() if len(parts) >= 2]
+
+
+@dataclass(frozen=True)
+class Trivial:
+    """The answers a model that reads nothing can give on one task."""
+
+    always: list[float]
+    """Accuracy of always picking choice k (k from 0), over questions that have a choice k."""
+
+    @property
+    def best(self) -> tuple[int, float]:
+        """The best constant choice ``(k, accuracy)``: the majority answer position of this split."""
+        k = int(np.argmax(self.always))
+        return k, self.always[k]
+
+
+def trivial_baselines(tr: TaskRuns) -> Trivial | None:
+    """Always-choice-k accuracies of a multiple-choice task from its correct answers and choice counts; None
+    when the runs stored neither (generation tasks)."""
+    if tr.gold is None or tr.choices is None or not all(isinstance(g, int) for g in tr.gold[1]):
+        return None
+    gold, choices = np.asarray(tr.gold[1]), np.asarray(tr.choices)
+    return Trivial([float(np.mean(gold == k)) for k in range(int(choices.max()))])
 
 
 def _points(ci) -> str:
@@ -303,14 +426,19 @@ def _points(ci) -> str:
 ABLATIONS = {v for v in VARIANTS if v not in ("bitune", "lora", "pretrained")}
 """The paper's ablations (section 3.3), each compared with ``bitune`` as well as with the baselines."""
 
-FAIR_BASELINES = ("lora16", "lora_compute")
+FAIR_BASELINES = ("lora16", "lora_compute", "lora_repeat")
 """Baselines that match Bitune's trainable parameters (LoRA r16) or its training compute (LoRA r8 given more
-steps); ``bitune`` is paired against each as well."""
+steps: on new examples, ``lora_compute``, or on the examples Bitune saw, repeated, ``lora_repeat``); ``bitune`` is
+paired against each as well."""
 
-ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)"]
+ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)",
+                   "vs best trivial (points)"]
+TRIVIAL_HEADER = ["task", "n", "choices", "always choice k: acc %", "best trivial (majority answer position)"]
 DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "two-level 95% CI",
                      "sign-flip p", "Δ per seed",
-                     "only method / only baseline right, McNemar p (per seed)", "t-test over seeds, p"]
+                     "only method / only baseline right, McNemar p (per seed)", "t-test over seeds, p", "Holm p"]
+POOLED_HEADER = ["tasks", "method", "vs", "seed pairs per task", "Δ points, task mean", "Δ per task",
+                 "two-level 95% CI", "sign-flip p", "Holm p"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
@@ -480,13 +608,25 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
     if tasks:
         parts += [f"\n## {metric} (%) with a 95% bootstrap interval over questions\n",
                   "Seed-averaged per-question correctness, resampled over questions "
-                  f"({BOOTSTRAP} resamples, fixed seed); each seed's accuracy after it.\n",
+                  f"({BOOTSTRAP} resamples, fixed seed); each seed's accuracy after it; the last column is the "
+                  "accuracy minus the task's best trivial baseline (**below**: under it).\n",
                   markdown_table(ACCURACY_HEADER, accuracy_rows(tasks), left=5)]
-        rows = difference_rows(tasks, list(baselines))
+        trivial = trivial_rows(tasks)
+        if trivial:
+            parts += ["\n## Trivial baselines\n",
+                      "What a model that reads nothing scores on these questions: always the k-th choice (k from "
+                      "0, over the questions that have one). The best k is the majority answer position of the "
+                      "split (chosen with the answers known, so an upper bound for a constant guess); a method "
+                      "below it has learnt nothing usable about the task.\n",
+                      markdown_table(TRIVIAL_HEADER, trivial, left=3)]
+        found = comparisons(tasks, list(baselines))
         if "bitune" not in baselines:  # each ablation also against the method it ablates
-            rows += difference_rows(tasks, ["bitune"], methods=ABLATIONS)
-        rows += difference_rows(tasks, [b for b in FAIR_BASELINES if b not in baselines], methods={"bitune"})
-        if rows:
+            found += comparisons(tasks, ["bitune"], methods=ABLATIONS)
+        found += comparisons(tasks, [b for b in FAIR_BASELINES if b not in baselines], methods={"bitune"})
+        found.sort(key=lambda c: list(tasks).index(c.task))  # every comparison of a task together
+        pools = pooled(found)
+        adjusted = holm([c.p for c in [*found, *pools]])
+        if found:
             parts += ["\n## Paired differences (percentage points)\n",
                       "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
                       "same seeds; an untrained baseline has one run), mean with a 95% bootstrap interval over "
@@ -496,8 +636,21 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                       "a bootstrap that resamples seed pairs, then questions within them (covers other training "
                       "seeds as well as other questions; with one seed pair it is the question-level interval). "
                       "Sign-flip p: a permutation test over questions (the per-question differences' signs "
-                      f"flipped at random, {BOOTSTRAP} draws).\n",
-                      markdown_table(DIFFERENCE_HEADER, rows, left=5)]
+                      f"flipped at random, {BOOTSTRAP} draws). Holm p: the sign-flip p adjusted by Holm's method "
+                      f"over the family of all {len(adjusted)} comparisons of this report (this table"
+                      f"{' and the pooled one' if pools else ''}); a comparison is resolved at 5% when it is "
+                      "below 0.05.\n",
+                      markdown_table(DIFFERENCE_HEADER, [[*c.row(), f"{p:.3g}"] for c, p in zip(found, adjusted)],
+                                     left=5)]
+        if pools:
+            parts += ["\n## Pooled over tasks (percentage points)\n",
+                      "A method against a baseline on every task where both ran: the mean over tasks of the "
+                      "per-task paired differences (each task weighs the same). Two-level 95% interval: per "
+                      "task, seed pairs then questions are resampled, and the tasks' means averaged. Sign-flip p: "
+                      "the per-question differences' signs flipped at random, each question weighted by "
+                      "1 / (tasks x its task's questions). Holm p: over the same family as above.\n",
+                      markdown_table(POOLED_HEADER, [[*q.row(), f"{p:.3g}"]
+                                                     for q, p in zip(pools, adjusted[len(found):])], left=4)]
     timing = timing_rows(records)
     if any(r[3] != "-" or r[4] != "-" for r in timing):
         total = sum(float(r[5]) for r in timing)

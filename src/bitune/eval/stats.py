@@ -154,5 +154,65 @@ def seed_t_test(differences: list[float]) -> float | None:
     return float(ttest_1samp(values, 0.0).pvalue)
 
 
+def pooled_two_level_bootstrap(differences: list[np.ndarray], resamples: int = BOOTSTRAP, level: float = LEVEL,
+                                seed: int = SEED) -> Interval:
+    """The task-averaged mean paired difference with a two-level percentile bootstrap within each task.
+
+    The estimate is the mean over tasks of each task's mean difference (every task weighs the same, whatever its
+    number of questions). Each resample draws, independently per task, that task's seed pairs with replacement,
+    then its questions with replacement (as :func:`two_level_bootstrap`), and averages the tasks' means.
+
+    Args:
+        differences: per task, a (S_t, n_t) array: per seed pair and question, the method's correctness minus the
+            baseline's.
+    """
+    diffs = [np.asarray(d, dtype=np.float64) for d in differences]
+    if not diffs or any(d.ndim != 2 or d.size == 0 for d in diffs):
+        raise ValueError("pooled_two_level_bootstrap: need one (seed pairs, questions) array per task")
+    rng = np.random.default_rng(seed)
+    means = np.zeros(resamples)
+    for diff in diffs:
+        S, n = diff.shape
+        chunk = max(1, 2_000_000 // (n * S))
+        for start in range(0, resamples, chunk):
+            stop = min(resamples, start + chunk)
+            pairs = rng.integers(0, S, size=(stop - start, S))  # (chunk, S)
+            per_question = diff[pairs].mean(axis=1)  # (chunk, n)
+            questions = rng.integers(0, n, size=(stop - start, n))  # (chunk, n)
+            means[start:stop] += np.take_along_axis(per_question, questions, axis=1).mean(axis=1)
+    means /= len(diffs)
+    alpha = (1.0 - level) / 2.0
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return Interval(float(np.mean([d.mean() for d in diffs])), float(low), float(high))
+
+
+def pooled_sign_flip_test(differences: list[np.ndarray], resamples: int = BOOTSTRAP, seed: int = SEED) -> float:
+    """Two-sided sign-flip p-value that the task-averaged mean paired difference is zero: :func:`sign_flip_test`
+    over the questions of all tasks together, each question weighted ``1 / (tasks x its task's questions)`` so
+    that the statistic is the mean of the tasks' means.
+
+    Args:
+        differences: per task, a (n_t,) array of per-question (seed-averaged) differences.
+    """
+    diffs = [np.asarray(d, dtype=np.float64) for d in differences]
+    if not diffs or any(d.ndim != 1 or d.size == 0 for d in diffs):
+        raise ValueError("pooled_sign_flip_test: need one (questions,) array per task")
+    weighted = np.concatenate([d / (len(diffs) * d.size) for d in diffs])
+    return sign_flip_test(weighted * weighted.size, resamples, seed)  # mean(weighted * N) = sum(weighted)
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (controls the family-wise error rate): sorted
+    ascending, the i-th (from 0) is multiplied by ``m - i``, made non-decreasing, capped at 1; returned in the
+    input order. A comparison is resolved at level alpha when its adjusted p is below alpha."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
 __all__ = ["Interval", "bootstrap_mean", "two_level_bootstrap", "sign_flip_test", "mcnemar_exact", "seed_t_test",
-           "BOOTSTRAP", "LEVEL", "SEED"]
+           "pooled_two_level_bootstrap", "pooled_sign_flip_test", "holm", "BOOTSTRAP", "LEVEL", "SEED"]
