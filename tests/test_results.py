@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bitune.eval.report import build_markdown, find_results, load_records
 
@@ -33,3 +35,38 @@ def test_study_readme_shows_exactly_the_committed_report(study):
     text = (study / "README.md").read_text(encoding="utf-8")
     block = text[text.index(EMBED_BEGIN) + len(EMBED_BEGIN):text.index(EMBED_END)]
     assert block == "\n" + embedded((study / "report.md").read_text(encoding="utf-8"))
+
+
+PART3 = RESULTS / "smollm2-csqa-piqa-siqa"
+
+
+def _log(path: Path) -> tuple[str | None, list[str]]:
+    """A run's recorded source commit and its per-step batch digests."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    commit = next((r["commit"] for r in records if r.get("event") == "data"), None)
+    return commit, [d for r in records for d in r.get("batches", [])]
+
+
+def test_study_part3_runs_come_from_the_pinned_commit_and_share_batches():
+    """Part 3's promise: every trained run from the commit in COMMIT, and per task and seed LoRA r8, LoRA r16 and
+    Bitune take the same batches step for step, lora_compute the same sequence continued, lora_repeat the first
+    200 steps' batches again."""
+    pin = (PART3 / "COMMIT").read_text().strip()
+    logs = sorted(PART3.glob("*/*-*/log.jsonl"))
+    assert logs, "part 3 has no finished training run yet"
+    runs: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for path in logs:
+        commit, batches = _log(path)
+        assert commit == pin, f"{path}: trained at {commit}, not the pinned {pin}"
+        method, seed = path.parent.name.rsplit("-", 1)
+        steps = yaml.safe_load((path.parent / "settings.yaml").read_text())["steps"]
+        assert len(batches) == steps, f"{path}: {len(batches)} batch digests for {steps} steps"
+        runs.setdefault((path.parent.parent.name, seed), {})[method] = batches
+    for (task, seed), methods in runs.items():
+        reference = methods.get("lora") or methods.get("bitune")
+        for method, batches in methods.items():
+            if method == "lora_repeat":
+                expected = (reference * (len(batches) // len(reference) + 1))[:len(batches)]
+            else:
+                expected = reference[:len(batches)] + batches[len(reference):]  # a longer run continues it
+            assert batches == expected, f"{task}/{method}-{seed} drew other batches than {task}/lora-{seed}"
