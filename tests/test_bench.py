@@ -31,9 +31,10 @@ def test_bench_generate_reports_prefill_and_decode(tmp_path):
     assert main(["bench", "generate", "--model", str(tmp_path / "base"), "--prompt-tokens", "12",
                  "--new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"bitune_batched", "bitune_sequential", "lora", "base"}
+    assert set(result["rows"]) == {"base", "lora", "lora_unmerged", "bitune", "bitune_sequential", "bitune_unmerged"}
     assert result["default"] == "batched"  # what prompt_passes="auto" reads prompts with
-    assert result["prefill_ratio"] > 0 and result["decode_ratio"] > 0 and result["prefill_ratio_sequential"] > 0
+    for name in ("lora", "bitune", "bitune_sequential", "bitune_unmerged"):
+        assert result[name]["prefill_ratio"] > 0 and result[name]["decode_ratio"] > 0
 
 
 def test_bench_rejects_malformed_lengths(tmp_path, capsys):
@@ -120,3 +121,21 @@ def test_bench_sharding_needs_two_processes(capsys):
     assert "--num-processes >= 2" in capsys.readouterr().err
     assert main(["bench", "sharding", "--prompt", "1"]) == 2
     assert "--prompt >= 2" in capsys.readouterr().err
+
+
+def test_bench_decode_times_our_step_against_the_models_forward(tmp_path):
+    save_checkpoint(tmp_path)
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model", str(tmp_path / "base"), "--batch-sizes", "1,3", "--context", "8",
+                 "--steps", "3", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"1", "3"}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["forward_ms"] > 0
+        assert sum(r["profile_share"].values()) == pytest.approx(1.0)
+        assert r["profile_share"]["matmuls"] > 0
+
+
+def test_bench_decode_rejects_bad_batch_sizes(capsys):
+    assert main(["bench", "decode", "--batch-sizes", "1,x"]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,58 @@ def test_lm_eval_own_cli_runs_the_bitune_model_type(checkpoint, tmp_path, monkey
     assert len(files) == 1
     results = json.loads(files[0].read_text())["results"]["bitune_piqa"]
     assert 0.0 <= results["acc,none"] <= 1.0
+
+
+def _evaluate_as_rank(rank: int, world: int, port: int, checkpoint: str, output: str) -> None:
+    """One process of a ``world``-process evaluation (what ``bitune eval --num-processes`` launches)."""
+    import os
+
+    from bitune.eval.evaluate import evaluate_run
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    data.load_examples = fake_examples
+    evaluate_run(checkpoint=checkpoint, tasks="piqa", batch_size=2, device="cpu", output=Path(output))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_score_every_question_once_as_one_process_does(checkpoint, tmp_path, monkeypatch):
+    """lm-eval's data-parallel protocol: 2 gloo processes each score every 2nd question, rank 0 gathers; the
+    per-question scores and the metrics equal one process's (1e-5), and every question appears once."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from bitune.eval.evaluate import evaluate_run
+
+    monkeypatch.setattr(data, "load_examples", fake_examples)
+    one = evaluate_run(checkpoint=str(checkpoint / "final"), tasks="piqa", batch_size=2, device="cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.json"
+    mp.spawn(_evaluate_as_rank, args=(2, port, str(checkpoint / "final"), str(out)), nprocs=2, join=True)
+    two = json.loads(out.read_text())
+    assert two["config"]["processes"] == 2 and one["config"]["processes"] == 1
+    a, b = one["samples"]["piqa"], two["samples"]["piqa"]
+    assert b["doc_id"] == a["doc_id"] == [0, 1, 2, 3, 4]  # each question once, in doc order
+    assert b["gold"] == a["gold"] and b["acc"] == a["acc"]
+    for x, y in zip(a["loglik"], b["loglik"]):
+        assert y == pytest.approx(x, abs=1e-5)
+    assert two["tasks"]["piqa"]["acc"] == pytest.approx(one["tasks"]["piqa"]["acc"], abs=1e-5)
+
+
+def test_eval_argv_passes_every_option_to_the_launched_processes():
+    from bitune.commands import eval as eval_command
+    from bitune.commands.options import ArgumentParser
+
+    parser = ArgumentParser()
+    eval_command.configure(parser)
+    given = ["--checkpoint", "c/final", "--tasks", "piqa", "--limit", "7", "--batch-size", "3", "--device", "cpu",
+             "--dtype", "bfloat16", "--prompt-passes", "sequential", "--seed", "5", "--label", "x", "--output",
+             "o.json", "--template", "paper", "--threads", "1", "--no-merge", "--num-processes", "2"]
+    args = parser.parse_args(given)
+    again = parser.parse_args(eval_command.eval_argv(args)[1:])
+    assert {**vars(again), "num_processes": 2} == vars(args)

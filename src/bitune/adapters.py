@@ -69,6 +69,21 @@ class Routing:
             self._gates[key] = g[:, None, :] if self.dim == 0 else g
         return self._gates[key]
 
+    def difference_gate(self, layer: LoraLinear, like: torch.Tensor) -> torch.Tensor:
+        """For a layer whose base weight holds the causal set merged: (rows, 1, 2r) or (positions, 2r) gates on
+        the columns ``[bidir | causal]``: ``+s_bidir`` and ``-s_causal`` on a bidir block (its weight is the merged
+        one plus ``s_b B_b A_b - s_c B_c A_c``), 0 on a causal block (the merged weight alone)."""
+        key = ("difference", layer.r["bidir"], layer.r["causal"], layer.scaling["bidir"], layer.scaling["causal"],
+               like.dtype, like.device)
+        if key not in self._gates:
+            row = [layer.scaling["bidir"]] * layer.r["bidir"] + [-layer.scaling["causal"]] * layer.r["causal"]
+            signed = torch.tensor(row, dtype=like.dtype, device=like.device)  # (2r,)
+            bidir = torch.tensor([name == "bidir" for name, size in self.blocks for _ in range(size)],
+                                 device=like.device)  # (N,)
+            g = bidir[:, None].to(like.dtype) * signed[None, :]  # (N, 2r)
+            self._gates[key] = g[:, None, :] if self.dim == 0 else g
+        return self._gates[key]
+
 
 def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *args, **kwargs) -> torch.Tensor:
     """What a LoRA layer computes when each block of rows or positions of ``x`` uses its own adapter.
@@ -79,8 +94,12 @@ def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *a
     columns (times that adapter's scaling), then multiplied by ``[B_1, B_2]``. That costs as many operations as
     one adapter, with gradients to every adapter.
 
+    When the layer holds the causal set merged into its base weight (inference, :meth:`WeightSets.merge`), a
+    causal block runs the base projection alone and a bidir block adds the difference of the two sets,
+    ``s_b B_b A_b - s_c B_c A_c``, as one rank-2r product ``[B_b | B_c] (gate * [A_b; A_c] x)``.
+
     Args:
-        layer: a PEFT LoRA ``Linear`` (not merged).
+        layer: a PEFT LoRA ``Linear``, unmerged or with exactly the causal set merged.
         x: (B, T, d_in) the layer's input.
         routing: the adapter of each block.
 
@@ -89,6 +108,13 @@ def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *a
     """
     result = layer.base_layer(x, *args, **kwargs)  # (B, T, d_out)
     names = routing.names
+    if layer.merged:  # the causal set is in the base weight: a bidir block adds the rank-2r difference
+        if names == ["causal"]:
+            return result
+        weight_a = torch.cat([layer.lora_A["bidir"].weight, layer.lora_A["causal"].weight])  # (2r, d_in)
+        weight_b = torch.cat([layer.lora_B["bidir"].weight, layer.lora_B["causal"].weight], dim=1)  # (d_out, 2r)
+        h = F.linear(x.to(weight_a.dtype), weight_a)  # (B, T, 2r); inference only: no dropout
+        return result + F.linear(h * routing.difference_gate(layer, h), weight_b).to(result.dtype)
     if len(names) == 1:
         n = names[0]
         x = x.to(layer.lora_A[n].weight.dtype)
@@ -108,8 +134,9 @@ def routed(layers: list[LoraLinear], routing: Routing) -> Iterator[None]:
     its active adapter and ``requires_grad`` flags, is never changed).
     """
     for layer in layers:
-        if layer.merged:
-            raise ValueError("merged LoRA weights cannot be routed per row or position; unmerge them")
+        if layer.merged and layer.merged_adapters != ["causal"]:
+            raise ValueError(f"LoRA weights merged as {layer.merged_adapters} cannot be routed per row or position; "
+                             "only the causal set may be merged")
     try:
         for layer in layers:
             layer.forward = _bound(layer, routing)
@@ -151,6 +178,9 @@ class WeightSets(nn.Module):
         self.bidir_model: nn.Module | None = None
         self._lora_layers: list[LoraLinear] = []
         self._tuner_layers: list[BaseTunerLayer] = []
+        self.merged = False
+        """Whether the causal set is merged into the base weights (inference; see :meth:`merge`)."""
+        self._bidir_merged: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = []
         for p in model.parameters():
             p.requires_grad_(False)
         if not self.names or config.method == "full":
@@ -214,6 +244,9 @@ class WeightSets(nn.Module):
         if self.routable:
             with recorded(routed, self._lora_layers, Routing([(name, 1)])):
                 return self.model(**kwargs)
+        if self.merged:
+            with self._bidir_weights_swapped_in():
+                return self.model(**kwargs)
         with recorded(self._switched_to, name):
             return self.model(**kwargs)
 
@@ -234,6 +267,72 @@ class WeightSets(nn.Module):
             raise ValueError(f"method {self.method!r} cannot mix weight sets within one forward")
         with recorded(routed, self._lora_layers, routing):
             return self.model(**kwargs)
+
+    # ----------------------------------------------------------------------------------------- inference
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Merge the causal set into the base weights (in place, PEFT's own merge), for inference: the causal
+        prompt pass, the answer pass and every decoding step then run the base projections alone, at the base
+        model's cost. The bidir prompt pass runs the merged weights plus the difference to the bidir set:
+
+        - LoRA: ``s_b B_b A_b - s_c B_c A_c``, a rank-2r product of the factors already held (no extra memory;
+          :func:`routed_lora_forward`).
+        - DoRA, IA3 (whose difference is not low-rank: DoRA re-normalises each column): a merged copy of each
+          weight the bidir set touches, swapped in for that pass (memory: one more copy of those weights).
+        - ``method: full`` holds two weight copies already, and a variant without adapters has nothing to merge.
+
+        Gradients need the unmerged factors: a merged model does not train (:meth:`unmerge` first). A no-op when
+        merged already.
+        """
+        if self.merged or not self.peft:
+            return
+        if "bidir" in self.names and not self.routable:
+            self._bidir_merged = [self._merged_copy(layer, "bidir") for layer in self._tuner_layers]
+        for layer in self._tuner_layers:
+            layer.merge(adapter_names=["causal"])
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo :meth:`merge` (PEFT's unmerge: the base weights come back to within float rounding of one add and
+        one subtract). A no-op when not merged."""
+        if not self.merged:
+            return
+        for layer in self._tuner_layers:
+            layer.unmerge()
+        self._bidir_merged = []
+        self.merged = False
+
+    @staticmethod
+    def _merged_copy(layer: BaseTunerLayer, name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor | None]:
+        """The base weight (and bias) of ``layer`` with set ``name`` merged, computed by PEFT's merge on the layer
+        and then put back exactly (the original tensors are restored, not un-merged)."""
+        base = layer.get_base_layer()
+        weight, bias = base.weight.data.clone(), base.bias.data.clone() if base.bias is not None else None
+        layer.merge(adapter_names=[name])
+        merged_weight = base.weight.data
+        merged_bias = base.bias.data if base.bias is not None else None
+        base.weight.data = weight
+        if bias is not None:
+            base.bias.data = bias
+        layer.merged_adapters.remove(name)
+        return base, merged_weight, merged_bias
+
+    @contextmanager
+    def _bidir_weights_swapped_in(self) -> Iterator[None]:
+        """Within this block the base layers hold the bidir-merged weights (DoRA, IA3 on a merged model)."""
+        def swap():
+            for i, (base, weight, bias) in enumerate(self._bidir_merged):
+                held = base.weight.data, base.bias.data if bias is not None else None
+                base.weight.data = weight
+                if bias is not None:
+                    base.bias.data = bias
+                self._bidir_merged[i] = (base, *held)
+        swap()
+        try:
+            yield
+        finally:
+            swap()
 
     @contextmanager
     def _switched_to(self, name: str) -> Iterator[None]:

@@ -28,6 +28,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "chat": ("bitune.commands.chat", "multi-turn chat with a checkpoint in the terminal"),
     "plot": ("bitune.commands.plot", "plot mixing ratios over training and attention maps"),
     "bench": ("bitune.commands.bench", "benchmark training, generation and serving speed/memory against LoRA"),
+    "export": ("bitune.commands.export", "export a checkpoint's causal weights merged, as a plain transformers model"),
     "serve": ("bitune.commands.serve", "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"),
 }
 DEBUG_HELP = "show the full traceback of an unexpected error"

@@ -15,7 +15,8 @@ from .model import BituneModel
 
 
 def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
-                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto"):
+                dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto",
+                merge: bool = True):
     """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
 
     Args:
@@ -25,6 +26,8 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         dtype: parameter dtype. Default float32.
         device: torch device; default cuda if available, else cpu.
         prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
+        merge: merge the causal weights into the base weights for inference (:meth:`BituneModel.merge`: decoding
+            at the base model's speed); ``False`` keeps PEFT's unmerged adapter layers.
 
     Returns:
         ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
@@ -40,7 +43,8 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         if not name:
             raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
         hf_model, tokenizer = load_model(name, dtype=dtype)
-        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes)
+        bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes,
+                                             merge=merge)
     else:
         hf_model, tokenizer = load_model(model, dtype=dtype)
         bitune = BituneModel(hf_model, BituneConfig(variant="pretrained", base_model=model), prompt_passes)

@@ -22,8 +22,12 @@ alone: one by one or batched). Caches live in :mod:`bitune.cache`, masks in :mod
 
 from __future__ import annotations
 
+import copy
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,7 @@ from . import checkpoint
 from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
+from .files import apply_umask, replace_dir
 from .fused import fused_logits
 from .hub import load_model
 from .inputs import check_answer, check_architecture, check_ids, check_prompt, context_room
@@ -79,14 +84,20 @@ class BituneModel(nn.Module):
         self._probe()
 
     @classmethod
-    def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto") -> "BituneModel":
+    def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
+             merge: bool = False) -> "BituneModel":
         """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``); the default config is Bitune + LoRA r8.
 
         Args:
             prompt_passes: how the passes run, one of ``PROMPT_PASSES`` (a runtime choice: not saved, and every
                 choice computes the same numbers).
+            merge: merge the causal weights for inference at once (:meth:`merge`); off by default, since a
+                freshly wrapped model is usually trained next.
         """
-        return cls(model, config or BituneConfig(), prompt_passes)
+        model = cls(model, config or BituneConfig(), prompt_passes)
+        if merge:
+            model.merge()
+        return model
 
     @property
     def prompt_passes(self) -> str:
@@ -140,6 +151,29 @@ class BituneModel(nn.Module):
         if self.mixer is not None:
             params.update({f"mixer:{k}": p for k, p in self.mixer.named_parameters()})
         return params
+
+    # ----------------------------------------------------------------------------------------------- merging
+    @property
+    def merged(self) -> bool:
+        """Whether the causal weights are merged into the base weights (inference; :meth:`merge`)."""
+        return self.weights.merged
+
+    def merge(self) -> "BituneModel":
+        """Merge the causal weight set into the base weights, in place, for inference: the causal prompt pass,
+        the answer pass and every decoding step run the base model's own linear layers (its speed); only the
+        bidirectional prompt pass adds the difference to the bidir set (LoRA: a rank-2r product of the factors
+        held anyway; DoRA, IA3: one merged copy of the weights the bidir set touches). Generation, scoring and
+        every inference path give the unmerged model's numbers to float rounding. A merged model does not
+        train: :meth:`unmerge` first (trainers do it). Returns the model."""
+        self.weights.merge()
+        return self
+
+    def unmerge(self) -> "BituneModel":
+        """Undo :meth:`merge` (the base weights come back to within float rounding of one add and one subtract;
+        a model that is trained after inference and must match training alone bit for bit is never merged:
+        ``merge=False``). Returns the model."""
+        self.weights.unmerge()
+        return self
 
     def mixing_ratios(self) -> dict[str, torch.Tensor]:
         """Per-layer a_k and a_v, each (L,) float32; empty for variants without mixing."""
@@ -265,6 +299,9 @@ class BituneModel(nn.Module):
         check_prompt(prompt_ids, prompt_mask)
         check_answer(prompt_ids, answer_ids, answer_mask)
         check_ids(self.weights.base, prompt_ids, answer_ids)
+        if self.merged and self.training and torch.is_grad_enabled():
+            raise BituneError("this model's causal weights are merged for inference and cannot be trained: call "
+                              "unmerge() first, or load it with merge=False")
         path = self.forward_path()
         if path == "single":
             logits = self.causal_logits(prompt_ids, prompt_mask, answer_ids, answer_mask)
@@ -369,14 +406,19 @@ class BituneModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
-                        prompt_passes: str = "auto", **load_kwargs) -> "BituneModel":
+                        prompt_passes: str = "auto", merge: bool = True, **load_kwargs) -> "BituneModel":
         """Load a checkpoint written by :meth:`save_pretrained`, strictly (every tensor must match).
 
         Args:
             directory: the checkpoint folder.
             base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
             prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice).
+            merge: merge the causal weights for inference after loading (:meth:`merge`; the checkpoint on disk is
+                unchanged); ``False`` keeps PEFT's unmerged layers (to train on, or to compare).
             load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
+
+        Returns:
+            The model in eval mode (as transformers' ``from_pretrained``).
         """
         config = checkpoint.read_config(directory)
         if base is None or isinstance(base, str):
@@ -386,10 +428,73 @@ class BituneModel(nn.Module):
             base, _ = load_model(name, **load_kwargs)
         model = cls(base, config, prompt_passes)
         model.load_weights(directory)
-        return model
+        if merge:
+            model.merge()
+        return model.eval()  # as transformers' from_pretrained: dropout off until train() is called
+
+    @torch.no_grad()
+    def export_merged(self, directory: str | os.PathLike, tokenizer=None) -> Path:
+        """Write the decode model of a GPU fleet: the causal weights merged into a standard transformers model
+        folder (``config.json`` + ``model.safetensors``, no adapter layers: ``AutoModelForCausalLM.from_pretrained``
+        loads it, and its ``generate`` continues any Bitune prefill of this model with the same tokens), plus
+        ``bitune/``, this model's checkpoint (:meth:`save_pretrained`: the bidir set, the mixer and the config) for
+        the prefill workers that compute the mixed cache. Written to a temporary folder and renamed into place.
+
+        Args:
+            directory: the output folder (replaced if it exists).
+            tokenizer: also saved into the folder, when given.
+
+        Returns:
+            The folder.
+
+        Raises:
+            BituneError: the method is ``full`` (its causal set is a whole model already: ``bitune/causal``).
+        """
+        if self.config.method == "full" and self.config.weight_sets:
+            raise BituneError("method 'full' holds the causal weights as a whole model already (causal/ in its "
+                              "checkpoint); there is nothing to merge")
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        was_merged = self.merged
+        self.merge()
+        try:
+            adapters = {id(p) for name in self.config.weight_sets for p in self.weights.parameters_of(name).values()}
+            base = self.weights.base
+            state = {}
+            for key, tensor in base.state_dict(keep_vars=True).items():
+                if id(tensor) in adapters or any(part.startswith(("lora_", "ia3_")) for part in key.split(".")):
+                    continue  # PEFT's own per-layer state (DoRA magnitudes, IA3 vectors)
+                state[key.replace(".base_layer.", ".")] = tensor.detach().clone()
+            config = copy.deepcopy(base.config)
+            if hasattr(config, "quantization_config"):
+                delattr(config, "quantization_config")
+            plain = type(base)(config).to(dtype=next(iter(state.values())).dtype)
+            plain.load_state_dict(state, strict=True)
+            plain.generation_config = base.generation_config
+            tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+            try:
+                plain.save_pretrained(tmp, safe_serialization=True)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                self.save_pretrained(tmp / "bitune")
+                apply_umask(tmp)
+                replace_dir(tmp, directory)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            if not was_merged:
+                self.unmerge()
+        return directory
 
     def load_weights(self, directory: str | os.PathLike) -> None:
-        """Load trained weights from a checkpoint, strictly; see :func:`bitune.checkpoint.load_weights`."""
+        """Load trained weights from a checkpoint, strictly; see :func:`bitune.checkpoint.load_weights`.
+
+        Raises:
+            BituneError: the model is merged (loading adapters under merged weights would mix two states).
+        """
+        if self.merged:
+            raise BituneError("load_weights on a merged model: call unmerge() first")
         checkpoint.load_weights(self, directory)
 
 

@@ -72,7 +72,14 @@ def configure(parser) -> None:
                     help="count static bytes on the meta device (no step): for models too large to replicate here")
     sh.add_argument("--output", default=None, help="also write the results as JSON here")
     sh.add_argument("--threads", type=int, default=None, help="threads per process (default 1)")
-    for p in (tr, ge, da):
+    de = sub.add_parser("decode", help="one decoding step (decode_step, what the server batches) against the "
+                                       "model's own forward on the same cache, with a profile of where the time goes")
+    de.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
+    de.add_argument("--batch-sizes", default="1,8", help="comma-separated rows decoded together")
+    de.add_argument("--context", type=int, default=128, help="cached tokens per row before the timed steps")
+    de.add_argument("--steps", type=int, default=32, help="timed decoding steps per batch size (after 4 warm-up)")
+    de.add_argument("--output", default=None, help="also write the results as JSON here")
+    for p in (tr, ge, da, de):
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -110,6 +117,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.bench == "sharding" and (args.prompt < 2 or args.answer < 1 or args.batch_size < 1):
         raise ValueError("bench sharding needs --prompt >= 2, --answer >= 1 and --batch-size >= 1")
+    if args.bench == "decode" and (args.steps < 1 or args.context < 2):
+        raise ValueError("bench decode needs --steps >= 1 and --context >= 2")
     if args.bench == "data" and (args.steps < 1 or args.rounds < 1):
         raise ValueError("bench data needs --steps >= 1 and --rounds >= 1")
     if args.output:
@@ -123,7 +132,8 @@ def run(args) -> int:
 
         result = bench_serve(args)
     else:
-        result = {"train": bench_train, "generate": bench_generate, "data": bench_data}[args.bench](args)
+        result = {"train": bench_train, "generate": bench_generate, "data": bench_data,
+                  "decode": bench_decode}[args.bench](args)
     if args.output:
         write_text_atomic(Path(args.output), json.dumps(result, indent=2))
     return 0
@@ -141,6 +151,16 @@ def _build(model_name: str, variant: str, device, dtype, **kw):
     base, tokenizer = load_model(model_name, dtype=dtype)
     model = BituneModel.wrap(base.to(device), BituneConfig(variant=variant, **kw))
     return model.train(), tokenizer
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer a model holds, plus a merged Bitune model's bidir copies
+    (DoRA, IA3)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    weights = getattr(model, "weights", None)
+    for _, weight, bias in getattr(weights, "_bidir_merged", []):
+        tensors.update({id(t): t for t in (weight, bias) if t is not None})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _sync(device) -> None:
@@ -285,31 +305,42 @@ def _print_train(rows, args, device, dtype, default) -> None:
 
 @torch.no_grad()
 def bench_generate(args) -> dict:
+    """Prefill a prompt and decode ``new_tokens`` greedily, interleaved, for: the base model (transformers'
+    ``generate`` on the plain model), LoRA merged and unmerged (PEFT's model, transformers' ``generate``), and
+    Bitune merged (the default for inference; prompt read ``batched`` and ``sequential``) and unmerged. Ratios
+    are against the base model."""
     device, dtype = _device_dtype(args.dtype)
-    bitune, tokenizer = _build(args.model, "bitune", device, dtype)
+    base_model, tokenizer = load_model(args.model, dtype=dtype)
+    base_model = base_model.to(device).eval()
+    bitune, _ = _build(args.model, "bitune", device, dtype)
+    bitune_unmerged, _ = _build(args.model, "bitune", device, dtype)
     lora, _ = _build(args.model, "lora", device, dtype)
-    bitune.eval()
-    lora.eval()
+    lora_unmerged, _ = _build(args.model, "lora", device, dtype)
+    for m in (bitune, bitune_unmerged, lora, lora_unmerged):
+        m.eval()
+    bitune.merge()
+    lora.merge()
     prompt = _random_batch(bitune.text_config.vocab_size, 1, args.prompt_tokens, 1, device)[:2]
     gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
 
-    def bitune_generate(passes):
+    def bitune_generate(model, passes):
         def run(n, streamer):
-            bitune.prompt_passes = passes  # same weights, prompt read batched or sequentially
-            return bitune.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
+            model.prompt_passes = passes  # same weights, prompt read batched or sequentially
+            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
         return run
 
-    def lora_generate(n, streamer):  # the plain PEFT model, transformers' own generate from scratch
-        return lora.weights.model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
-                                           min_new_tokens=n, streamer=streamer, **gen)
+    def hf_generate(model):  # transformers' own generate from scratch
+        def run(n, streamer):
+            return model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
+                                  min_new_tokens=n, streamer=streamer, **gen)
+        return run
 
-    def base_generate(n, streamer):
-        with lora.weights.model.disable_adapter():
-            return lora_generate(n, streamer)
-
-    runners = {"bitune_batched": bitune_generate("batched"), "bitune_sequential": bitune_generate("sequential"),
-               "lora": lora_generate, "base": base_generate}
-    default = f"bitune_{bitune.prefill_path()}"  # what prompt_passes="auto" reads prompts with
+    default = bitune.prefill_path()  # what prompt_passes="auto" reads prompts with
+    other = "sequential" if default == "batched" else "batched"
+    runners = {"base": hf_generate(base_model), "lora": hf_generate(lora.weights.model),
+               "lora_unmerged": hf_generate(lora_unmerged.weights.model),
+               "bitune": bitune_generate(bitune, default), f"bitune_{other}": bitune_generate(bitune, other),
+               "bitune_unmerged": bitune_generate(bitune_unmerged, default)}
     for fn in runners.values():
         fn(2, None)  # warm-up
     samples = {name: [] for name in runners}
@@ -325,29 +356,124 @@ def bench_generate(args) -> dict:
                       "decode_tok_s": statistics.median((len(c.times) - 1) / (c.times[-1] - c.times[0])
                                                         for c in clocks),
                       "total_s": statistics.median(c.times[-1] - c.start for c in clocks)}
-    summary = {"default": default.removeprefix("bitune_")}
-    for name in ("bitune_batched", "bitune_sequential"):
-        suffix = "" if name == default else "_" + name.removeprefix("bitune_")
-        summary.update({f"prefill_ratio{suffix}": rows[name]["prefill_s"] / rows["lora"]["prefill_s"],
-                        f"decode_ratio{suffix}": rows[name]["decode_tok_s"] / rows["lora"]["decode_tok_s"],
-                        f"total_ratio{suffix}": rows[name]["total_s"] / rows["lora"]["total_s"]})
+    memory = {"base": _held_bytes(base_model), "lora": _held_bytes(lora), "lora_unmerged": _held_bytes(lora_unmerged),
+              "bitune": _held_bytes(bitune), "bitune_unmerged": _held_bytes(bitune_unmerged)}
+    summary = {"default": default, "memory_bytes": memory,
+               "memory_ratio": {k: v / memory["base"] for k, v in memory.items() if k != "base"}}
+    for name in runners:
+        if name != "base":
+            summary[name] = {"prefill_ratio": rows[name]["prefill_s"] / rows["base"]["prefill_s"],
+                             "decode_ratio": rows[name]["decode_tok_s"] / rows["base"]["decode_tok_s"],
+                             "total_ratio": rows[name]["total_s"] / rows["base"]["total_s"]}
     table = Table(title=f"Generation, {args.model}, {device.type}, prompt {args.prompt_tokens} tokens, "
-                        f"{args.new_tokens} new tokens, median of {args.repeats}")
-    for col in ("model", "prefill s", "decode tok/s", "total s"):
+                        f"{args.new_tokens} new tokens, median of {args.repeats}; ratios vs the base model")
+    for col in ("model", "prefill s", "decode tok/s", "total s", "prefill x", "decode x"):
         table.add_column(col, justify="right")
     for name, r in rows.items():
-        table.add_row(name, f"{r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}", f"{r['total_s']:.2f}")
+        ratio = summary.get(name, {"prefill_ratio": 1.0, "decode_ratio": 1.0})
+        table.add_row(name, f"{r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}", f"{r['total_s']:.2f}",
+                      f"{ratio['prefill_ratio']:.2f}", f"{ratio['decode_ratio']:.3f}")
     Console().print(table)
-    other = "batched" if summary["default"] == "sequential" else "sequential"
-    Console().print(f"Bitune ({summary['default']}, the default here) / LoRA: prefill {summary['prefill_ratio']:.2f}x, "
-                    f"decode tok/s {summary['decode_ratio']:.3f}x, total {summary['total_ratio']:.3f}x; "
-                    f"{other}: prefill {summary[f'prefill_ratio_{other}']:.2f}x, decode tok/s "
-                    f"{summary[f'decode_ratio_{other}']:.3f}x. Targets: prefill <= 2.05x, decode >= 0.97x.")
+    Console().print(f"Memory held (parameters, buffers, merged copies) / base model: Bitune merged "
+                    f"{summary['memory_ratio']['bitune']:.3f}x, unmerged {summary['memory_ratio']['bitune_unmerged']:.3f}x, "
+                    f"LoRA merged {summary['memory_ratio']['lora']:.3f}x (target: Bitune merged <= 1.10x + the bidir "
+                    f"difference).")
+    Console().print(f"Bitune (merged, {default}) / base: prefill {summary['bitune']['prefill_ratio']:.2f}x (target "
+                    f"<= 2.1x), decode tok/s {summary['bitune']['decode_ratio']:.3f}x (target >= 0.97x); LoRA "
+                    f"(merged) decode {summary['lora']['decode_ratio']:.3f}x (target >= 0.97x). Unmerged: Bitune "
+                    f"decode {summary['bitune_unmerged']['decode_ratio']:.3f}x, LoRA "
+                    f"{summary['lora_unmerged']['decode_ratio']:.3f}x.")
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}
 
 
 # ----------------------------------------------------------------------------------------------- real data
+PROFILE_GROUPS = {
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "aten::linear", "aten::matmul"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
+                  "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax"),
+}
+"""Operator names (self time) counted as each group of the decoding profile; every other operator is "rest"."""
+
+
+def bench_decode(args) -> dict:
+    """Time ``BituneModel.decode_step`` (the base model as the ``pretrained`` variant: nothing but our wrapper
+    around its forward) against the model's own forward on the same cache and inputs, per batch size, and
+    profile the step with ``torch.profiler``: self time of matrix products, attention, and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..passes import Prefill
+
+    try:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: comma-separated integers, e.g. 1,8") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: every size must be >= 1")
+    device, dtype = _device_dtype(args.dtype)
+    base, _ = load_model(args.model, dtype=dtype)
+    model = BituneModel(base.to(device).eval(), BituneConfig(variant="pretrained", base_model=args.model))
+    positions = model.text_config.max_position_embeddings
+    if args.context + args.steps + 8 > positions:
+        raise ValueError(f"--context {args.context} + --steps {args.steps} pass the model's {positions} positions")
+    pick = lambda logits: logits.argmax(-1)  # noqa: E731
+
+    def fresh(B: int) -> Prefill:
+        ids, mask = _random_batch(model.text_config.vocab_size, B, args.context, 1, device)[:2]
+        return model.prefill(ids, mask)
+
+    def ours(state, n):
+        for _ in range(n):
+            state = model.decode_step(state, pick)
+        return state
+
+    def floor(state, n):  # the forward decode_step wraps, with the inputs prepared once (no per-step bookkeeping)
+        cache, token = state.cache, state.last_token
+        T = state.mask.shape[1]
+        mask = torch.ones(token.shape[0], T + n + 1, dtype=state.mask.dtype, device=device)
+        for i in range(n):
+            pos = torch.full_like(token, T + i)
+            out = model.weights.base(input_ids=token, attention_mask=mask[:, :T + i + 1], position_ids=pos,
+                                     cache=cache, use_cache=True, logits_to_keep=1)
+            token = pick(out.logits[:, -1]).reshape(-1, 1)
+        return state
+
+    rows = {}
+    with torch.no_grad():
+        for B in sizes:
+            times = {}
+            for name, fn in (("decode_step", ours), ("model forward", floor)):
+                state = fn(fresh(B), 4)  # warm-up
+                _sync(device)
+                t0 = time.perf_counter()
+                fn(state, args.steps)
+                _sync(device)
+                times[name] = (time.perf_counter() - t0) / args.steps
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                ours(fresh(B), args.steps)
+            groups = {g: 0.0 for g in (*PROFILE_GROUPS, "rest")}
+            for event in prof.key_averages():
+                group = next((g for g, names in PROFILE_GROUPS.items() if event.key in names), "rest")
+                groups[group] += event.self_cpu_time_total
+            total = sum(groups.values()) or 1.0
+            rows[B] = {"step_ms": 1e3 * times["decode_step"], "forward_ms": 1e3 * times["model forward"],
+                       "overhead": times["decode_step"] / times["model forward"],
+                       "profile_share": {g: v / total for g, v in groups.items()},
+                       "top_ops": [(e.key, e.self_cpu_time_total / total) for e in
+                                   sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]]}
+    table = Table(title=f"Decoding step, {args.model}, {device.type}, {torch.get_num_threads()} threads, "
+                        f"context {args.context} tokens, {args.steps} steps")
+    for col in ("rows", "decode_step ms", "model forward ms", "ours / forward", "matmuls", "attention", "rest"):
+        table.add_column(col, justify="right")
+    for B, r in rows.items():
+        share = r["profile_share"]
+        table.add_row(str(B), f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['overhead']:.3f}",
+                      f"{100 * share['matmuls']:.0f}%", f"{100 * share['attention']:.0f}%", f"{100 * share['rest']:.0f}%")
+    Console().print(table)
+    return {"model": args.model, "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
+            "context": args.context, "steps": args.steps, "rows": {str(b): r for b, r in rows.items()}}
+
+
 def bench_data(args) -> dict:
     """Optimizer steps of LoRA and Bitune on a training config's own data and batch size, interleaved.
 

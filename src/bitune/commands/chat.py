@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_options(args)
     if args.save:
         check_output_file(args.save, "--save", keep=(("the checkpoint", args.checkpoint),))  # before loading
-    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
+    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
+                                   merge=not args.no_merge)
     if args.seed is not None:
         set_seed(args.seed)
     conv = Conversation(model, tokenizer, mode=args.mode, template=args.template, max_new_tokens=args.max_new_tokens,

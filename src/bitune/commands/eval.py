@@ -8,9 +8,10 @@ import argparse
 from pathlib import Path
 
 from ..eval import RESULT_FILE
-from ..eval.evaluate import evaluate_run
+from ..errors import BituneError
+from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_output_file
-from .options import add_prompt_passes_option, add_threads_option
+from .options import add_merge_option, add_prompt_passes_option, add_threads_option
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
 
@@ -36,6 +37,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
     add_prompt_passes_option(parser)
+    add_merge_option(parser)
+    parser.add_argument("--num-processes", type=int, default=1, metavar="N",
+                        help="score the questions in N local processes (each every N-th question, gathered on the "
+                             "first: lm-eval's data-parallel protocol; one GPU each, or the CPU cores shared over "
+                             "gloo); not needed under torchrun/accelerate launch")
     parser.add_argument("--seed", type=int, default=1234, help="lm-eval's random seeds (sampling only)")
     parser.add_argument("--max-new-tokens", type=int,
                         help="GSM8K: cap on generated tokens (default: the task's 256, as in the paper's setup)")
@@ -56,14 +62,36 @@ def output_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
+def eval_argv(args: argparse.Namespace) -> list[str]:
+    """The ``bitune eval`` arguments each launched process runs with (everything but ``--num-processes``)."""
+    argv = ["eval", "--tasks", args.tasks]
+    for flag in ("checkpoint", "model", "base", "limit", "batch_size", "device", "dtype", "prompt_passes", "seed",
+                 "max_new_tokens", "label", "output", "template", "threads"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    return argv + (["--no-merge"] if args.no_merge else [])
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.num_processes < 1:
+        raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
     out = output_path(args)
     if out is not None:  # before the evaluation, not after it; eval.json may sit in the checkpoint, nothing else
         ckpt_files = [p for p in Path(args.checkpoint).rglob("*") if p.is_file()] if args.checkpoint else []
         check_output_file(out, "--output", keep=tuple(("a file of the checkpoint", p) for p in ckpt_files
                                                       if p.name != RESULT_FILE))
+    if args.num_processes > 1:
+        from .train import launch
+
+        check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
+        status = launch(args.num_processes, eval_argv(args))
+        if status:
+            raise BituneError(f"the {args.num_processes} evaluation processes failed (exit status {status}); "
+                              "their errors are above")
+        return 0
     evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                  limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                  seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
-                 template=args.template, prompt_passes=args.prompt_passes)
+                 template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge)
     return 0

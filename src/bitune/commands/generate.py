@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                                                                                     args.checkpoint)))
     records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
-    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes)
+    model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
+                                   merge=not args.no_merge)
     if args.seed is not None:
         set_seed(args.seed)
     template, why = pick_template(model, tokenizer, args.template)

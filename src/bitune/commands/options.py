@@ -63,6 +63,14 @@ def add_prompt_passes_option(parser: argparse.ArgumentParser) -> None:
                              "numbers, only the speed differs")
 
 
+def add_merge_option(parser: argparse.ArgumentParser) -> None:
+    """``--no-merge``: keep PEFT's unmerged adapter layers instead of merging the causal weights for inference."""
+    parser.add_argument("--no-merge", action="store_true",
+                        help="keep the adapters unmerged (default: the causal weights are merged into the base "
+                             "weights at load, so decoding runs at the base model's speed; the same numbers to "
+                             "float rounding)")
+
+
 def sampling_options(args: argparse.Namespace) -> dict:
     """transformers ``generate`` keywords from the sampling flags (unset flags keep the model's defaults)."""
     if not all(isinstance(s, str) and s for s in args.stop):
@@ -95,6 +103,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device (unset: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="float32", help="parameter dtype: float32, bfloat16 or float16")
     add_prompt_passes_option(parser)
+    add_merge_option(parser)
     add_threads_option(parser)
 
 

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         paths = plot_mixing(args.log, args.output)
     else:
         model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
-                                       args.prompt_passes)
+                                       args.prompt_passes, merge=not args.no_merge)
         template, why = pick_template(model, tokenizer, args.template)
         print(f"bitune plot: {template} template ({why})", file=sys.stderr)
         paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]

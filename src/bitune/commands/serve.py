@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generation import pick_template
 
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
-                                   args.prompt_passes)
+                                   args.prompt_passes, merge=not args.no_merge)
     template, why = pick_template(model, tokenizer, args.template)
     name = args.served_model_name or args.checkpoint or args.model
     print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "

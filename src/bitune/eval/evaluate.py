@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -89,8 +90,9 @@ def task_samples(results: dict) -> dict[str, dict[str, list]]:
 
 
 def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234,
-             max_new_tokens: int | None = None, template: str = "paper") -> tuple[dict, dict, dict]:
-    """Run lm-eval on a model instance; returns ``(per-task metrics, timing, per-question samples)``.
+             max_new_tokens: int | None = None, template: str = "paper") -> tuple[dict, dict, dict] | None:
+    """Run lm-eval on a model instance; returns ``(per-task metrics, timing, per-question samples)`` (None on
+    the ranks other than 0 of a multi-process evaluation, where lm-eval gathers everything on rank 0).
 
     Args:
         lm: an lm-eval ``LM`` (e.g. :class:`bitune.eval.lm.BituneLM`).
@@ -116,6 +118,8 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
                                           apply_chat_template=template == "chat",
                                           gen_kwargs=gen_kwargs)
     done = time.perf_counter()
+    if results is None:
+        return None
     timing = {"data_s": round(loaded - start, 3), "eval_s": round(done - loaded, 3)}
     return task_metrics(results), timing, task_samples(results)
 
@@ -170,8 +174,11 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
                  max_new_tokens: int | None = None, output: Path | None = None, template: str | None = None,
-                 prompt_passes: str = "auto") -> dict:
+                 prompt_passes: str = "auto", merge: bool = True) -> dict | None:
     """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
+
+    Under a launcher of N processes (``WORLD_SIZE`` > 1) each process scores every N-th question and rank 0
+    gathers, prints and writes the whole record; the other ranks return None.
 
     Returns:
         The result record (see the module docstring); ``output`` is written as JSON when given.
@@ -182,8 +189,10 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     if template not in (None, "paper", "chat"):
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one GPU per launched process
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     t0 = time.perf_counter()
-    model, tokenizer = load_bitune(checkpoint, model_name, base, dtype, device, prompt_passes)
+    model, tokenizer = load_bitune(checkpoint, model_name, base, dtype, device, prompt_passes, merge=merge)
     if template is None and model.config.variant == "pretrained":
         template, why = "paper", "a base model is scored on the tasks' own prompts, the paper's protocol"
     else:
@@ -195,7 +204,10 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     print(f"bitune eval: {template} template ({why})", file=sys.stderr)
     lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    metrics, timing, samples = evaluate(lm, tasks, limit, seed, max_new_tokens, template)
+    evaluated = evaluate(lm, tasks, limit, seed, max_new_tokens, template)
+    if evaluated is None:  # a process other than rank 0 of a multi-process evaluation
+        return None
+    metrics, timing, samples = evaluated
     config = model.config
     record = {
         "schema": SCHEMA,
@@ -207,7 +219,8 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
             "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
             "prompt_passes": model.prefill_path(),
-            "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "versions": versions(), "commit": source_commit(),
+            "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "processes": lm.world_size,
+            "versions": versions(), "commit": source_commit(),
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3),
                    "torch_threads": torch.get_num_threads()},

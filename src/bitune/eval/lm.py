@@ -28,9 +28,11 @@ checkpoint=DIR --tasks bitune_piqa --include_path $(python -m bitune.eval.tasks)
 from __future__ import annotations
 
 import functools
+import os
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -61,11 +63,11 @@ class BituneLM(TemplateLM):
     def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
                  model: BituneModel | None = None, tokenizer=None, batch_size: int | str = 8,
                  device: str | None = None, dtype: str = "float32", max_length: int | None = None,
-                 max_gen_toks: int = 256, prompt_passes: str = "auto", **unused):
+                 max_gen_toks: int = 256, prompt_passes: str = "auto", merge: bool = True, **unused):
         super().__init__()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if model is None:
-            model, tokenizer = load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes)
+            model, tokenizer = load_bitune(checkpoint, pretrained, base, dtype, device, prompt_passes, merge=merge)
         elif tokenizer is None:
             raise BituneError("BituneLM(model=...) also needs tokenizer=")
         self.model = model.eval()
@@ -83,6 +85,39 @@ class BituneLM(TemplateLM):
                               f"use max_length <= {positions}")
         self._max_gen_toks = int(max_gen_toks)
         self._pad = pad_id(tokenizer)
+        self._join_processes()
+
+    # ------------------------------------------------------------------------------------------- processes
+    def _join_processes(self) -> None:
+        """Under a launcher of N processes (``bitune eval --num-processes N``, torchrun, accelerate launch:
+        ``WORLD_SIZE`` > 1), join their process group (gloo on CPU, nccl on GPUs) and take this process's rank:
+        lm-eval's evaluator then gives each process every N-th question and gathers the results on rank 0, as
+        for its own ``hf`` model."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self._device.type == "cuda" else "gloo")
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor``, stacked (0-d) or concatenated along dim 0, on every process."""
+        if self._world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj, dst: int = 0):
+        """Every process's ``obj`` as a list on rank ``dst`` (None on the others)."""
+        if self._world_size == 1:
+            return [obj]
+        out = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            dist.barrier()
 
     # ------------------------------------------------------------------------------------------- lm-eval API
     @property

@@ -401,7 +401,7 @@ class Trivial:
     """The answers a model that reads nothing can give on one task."""
 
     always: list[float]
-    """Accuracy of always picking choice k (k from 0), over questions that have a choice k."""
+    """Accuracy of always picking choice k (k from 0) over all questions (wrong where a question has fewer)."""
 
     @property
     def best(self) -> tuple[int, float]:
@@ -615,7 +615,7 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
         if trivial:
             parts += ["\n## Trivial baselines\n",
                       "What a model that reads nothing scores on these questions: always the k-th choice (k from "
-                      "0, over the questions that have one). The best k is the majority answer position of the "
+                      "0; wrong on a question with fewer choices). The best k is the majority answer position of the "
                       "split (chosen with the answers known, so an upper bound for a constant guess); a method "
                       "below it has learnt nothing usable about the task.\n",
                       markdown_table(TRIVIAL_HEADER, trivial, left=3)]

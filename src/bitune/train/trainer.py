@@ -79,6 +79,7 @@ class BituneTrainer:
         if model.config.variant == "pretrained":
             raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
         bf16, use_cpu = resolve_bf16(settings.bf16)
+        model.unmerge()  # a model loaded for inference (merged) trains on its unmerged factors
         transformers.set_seed(settings.seed)
         fsdp = sharding.fsdp_options(settings.fsdp)
         self.fsdp, self._reshard = fsdp.shard, fsdp.reshard_after_forward

@@ -103,6 +103,7 @@ class BituneSFTTrainer(SFTTrainer):
         model, processing_class = _bitune_model(model, bitune_config, processing_class)
         if model.config.variant == "pretrained":
             raise BituneError("BituneSFTTrainer: variant='pretrained' trains nothing; pick a trainable variant")
+        model.unmerge()  # a model loaded for inference (merged) trains on its unmerged factors
         if train_dataset is None:
             raise BituneError("BituneSFTTrainer needs a train_dataset")
         max_length = args.max_length

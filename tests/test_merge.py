@@ -1,0 +1,209 @@
+"""Merged inference: the causal weights merged into the base weights give the unmerged model's numbers (every
+variant and method), decoding runs the base projections alone, and training is untouched by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS, batch, perturb_adapters, tiny_model
+
+from bitune import BituneConfig, BituneModel
+from bitune.errors import BituneError
+from bitune.scoring import score_continuations
+
+VARIANTS = ["bitune", "lora", "shared_weights", "only_causal", "naive_bidir", "no_mixing", "anti_causal", "pretrained"]
+
+
+def pair(variant: str = "bitune", method: str = "lora", arch: str = "llama", prompt_passes: str = "auto"):
+    """The same trained-looking model twice: unmerged and merged."""
+    models = []
+    for merge in (False, True):
+        config = BituneConfig(variant=variant, method=method, rank=4, lora_alpha=8.0)
+        model = BituneModel.wrap(tiny_model(arch), config, prompt_passes=prompt_passes)
+        if variant != "pretrained":
+            perturb_adapters(model, scale=0.1)
+        models.append(model.merge().eval() if merge else model.eval())
+    return models
+
+
+def prompts():
+    ids, mask, answer_ids, answer_mask = batch(3, prompt_lens=(7, 4, 6), answer_lens=(3, 5, 2))
+    return ids, mask, answer_ids, answer_mask
+
+
+@pytest.mark.parametrize("method", ["lora", "dora", "ia3"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merged_gives_the_unmerged_numbers(variant, method):
+    if method != "lora" and variant == "pretrained":
+        pytest.skip("nothing to merge")
+    plain, merged = pair(variant, method)
+    assert merged.merged == (variant != "pretrained")
+    ids, mask, answer_ids, answer_mask = prompts()
+    with torch.no_grad():
+        a = plain.answer_logits(plain.prefill(ids, mask), answer_ids, answer_mask)
+        b = merged.answer_logits(merged.prefill(ids, mask), answer_ids, answer_mask)
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+        loss_a = plain(ids, mask, answer_ids, answer_mask).example_loss  # the fused path where it applies
+        loss_b = merged(ids, mask, answer_ids, answer_mask).example_loss
+        torch.testing.assert_close(loss_b, loss_a, atol=1e-4, rtol=0)
+    greedy = [m.generate(ids, mask, max_new_tokens=32, eos_token_id=None, pad_token_id=0) for m in (plain, merged)]
+    assert torch.equal(greedy[0], greedy[1])
+
+
+@pytest.mark.parametrize("prompt_passes", ["batched", "sequential", "fused"])
+def test_merged_paths_agree(prompt_passes):
+    plain, merged = pair("bitune", "lora", prompt_passes=prompt_passes)
+    ids, mask, answer_ids, answer_mask = prompts()
+    with torch.no_grad():
+        a = plain(ids, mask, answer_ids, answer_mask).logits
+        b = merged(ids, mask, answer_ids, answer_mask).logits
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+def test_merged_on_other_architectures(arch):
+    plain, merged = pair("bitune", "lora", arch=arch)
+    ids, mask, _, _ = prompts()
+    greedy = [m.generate(ids, mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0) for m in (plain, merged)]
+    assert torch.equal(greedy[0], greedy[1])
+
+
+def test_merged_scores_and_continued_conversations_match():
+    plain, merged = pair()
+    ids, mask, _, _ = prompts()
+    continuations = [[[5, 6, 7], [8]], [[9, 10]], [[11], [12, 13, 14, EOS]]]
+    with torch.no_grad():
+        scores = [score_continuations(m.weights, m.text_config, m.prefill(ids, mask), continuations)
+                  for m in (plain, merged)]
+    for (la, ga), (lb, gb) in zip(*scores):
+        assert lb == pytest.approx(la, abs=1e-4) and ga == gb
+    states = [m.generate(ids, mask, max_new_tokens=4, eos_token_id=None, pad_token_id=0, return_state=True)[1] for m in (plain, merged)]
+    follow, follow_mask = ids[:, -3:], torch.ones_like(ids[:, -3:])
+    again = [m.generate(follow, follow_mask, max_new_tokens=8, past=s, eos_token_id=None, pad_token_id=0)
+             for m, s in zip((plain, merged), states)]
+    assert torch.equal(again[0], again[1])
+
+
+def _count_calls(module_list):
+    calls = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in module_list]
+    return calls, hooks
+
+
+def test_decoding_runs_the_base_projections_alone():
+    """After merging, the answer pass and decoding never touch an adapter factor; only the bidir prompt pass
+    does (the difference to the bidir set)."""
+    _, merged = pair()
+    factors = [m for name, m in merged.named_modules() if name.endswith(("lora_A.causal", "lora_B.causal"))]
+    assert factors
+    calls, hooks = _count_calls(factors)
+    ids, mask, _, _ = prompts()
+    state = merged.prefill(ids, mask)
+    assert not calls  # the routed bidir pass reads the factors' weights directly, the causal pass not at all
+    with torch.no_grad():
+        for _ in range(3):
+            state = merged.decode_step(state, lambda logits: logits.argmax(-1))
+    for h in hooks:
+        h.remove()
+    assert not calls
+
+
+def test_a_merged_model_refuses_to_train_and_trains_after_unmerge():
+    _, merged = pair()
+    ids, mask, answer_ids, answer_mask = prompts()
+    merged.train()
+    with pytest.raises(BituneError, match="merged for inference"):
+        merged(ids, mask, answer_ids, answer_mask)
+    merged.unmerge()
+    assert not merged.merged
+    merged(ids, mask, answer_ids, answer_mask).loss.backward()
+    with pytest.raises(BituneError, match="unmerge"):
+        merged.merge().load_weights("nowhere")
+
+
+def test_unmerge_restores_the_weights_to_rounding():
+    plain, merged = pair()
+    before = {k: v.clone() for k, v in merged.weights.base.state_dict().items()}
+    merged.unmerge()
+    for k, v in merged.weights.base.state_dict().items():
+        torch.testing.assert_close(v, before[k] if "base_layer" not in k else plain.weights.base.state_dict()[k],
+                                   atol=1e-6, rtol=0)
+
+
+def test_dora_bidir_copy_is_put_back_exactly():
+    """Merging DoRA keeps one bidir-merged copy per layer and leaves the causal merge as PEFT makes it."""
+    plain, merged = pair("bitune", "dora")
+    layer = next(m for m in merged.weights.model.modules() if hasattr(m, "merged_adapters") and m.merged_adapters)
+    assert layer.merged_adapters == ["causal"]
+    assert len(merged.weights._bidir_merged) == sum(
+        1 for m in merged.weights.model.modules() if hasattr(m, "merged_adapters"))
+
+
+@pytest.mark.parametrize("inference", ["generate", "merge_then_unmerge"])
+def test_training_after_inference_matches_training_alone(tmp_path, inference):
+    """A wrapped model is never merged in place: generating with it before training changes nothing, bit for
+    bit. A model merged and unmerged again trains to the same weights within float rounding."""
+    from test_train import make_trainer, weights
+
+    from bitune.train.trainer import run_training
+
+    results = []
+    for before in (None, inference):
+        trainer, settings = make_trainer(tmp_path / str(before), steps=3)
+        model = trainer.model
+        if before is not None:
+            model.eval()
+            model.generate(*prompts()[:2], max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+            if before == "merge_then_unmerge":
+                model.merge()
+                model.generate(*prompts()[:2], max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+                model.unmerge()
+        run_training(trainer, settings)
+        results.append(weights(trainer))
+    for k, v in results[0].items():
+        if inference == "generate":
+            assert torch.equal(results[1][k], v), k
+        else:
+            torch.testing.assert_close(results[1][k], v, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_export_merged_is_a_plain_transformers_model_that_continues_a_prefill(tmp_path, method):
+    from transformers import AutoModelForCausalLM
+
+    _, merged = pair("bitune", method)
+    ids, mask, _, _ = prompts()
+    gen = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, do_sample=False)
+    expected = merged.generate(ids, mask, **gen)
+    merged.export_merged(tmp_path / "export")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert not any("lora" in k or "base_layer" in k for k in plain.state_dict())
+    pre = merged.prefill(ids, mask)  # the prefill workers' part: both prompt passes, mixed
+    input_ids = torch.cat([pre.ids, pre.last_token], dim=1)
+    attention = torch.cat([pre.mask, torch.ones_like(pre.last_token)], dim=1)
+    out = plain.generate(input_ids=input_ids, attention_mask=attention, cache=pre.cache, **gen)
+    assert torch.equal(out[:, input_ids.shape[1]:], expected)
+    again = BituneModel.from_pretrained(tmp_path / "export" / "bitune", base=tiny_model())
+    assert torch.equal(again.generate(ids, mask, **gen), expected)
+    assert merged.merged  # exporting leaves the model as it was
+
+
+def test_export_of_an_unmerged_model_leaves_it_unmerged(tmp_path):
+    plain, _ = pair()
+    plain.export_merged(tmp_path / "export")
+    assert not plain.merged
+
+
+def test_bitune_export_command(tmp_path, capsys):
+    from gen_helpers import save_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from bitune.cli import main
+
+    ckpt, _ = save_checkpoint(tmp_path)
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(tmp_path / "out")]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
+    assert (tmp_path / "out" / "bitune" / "bitune_config.json").is_file()
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(ckpt / "inside")]) == 2
+    assert "overlaps --checkpoint" in capsys.readouterr().err
