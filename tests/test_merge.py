@@ -207,3 +207,39 @@ def test_bitune_export_command(tmp_path, capsys):
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
     assert main(["export", "--checkpoint", str(ckpt), "--merged", str(ckpt / "inside")]) == 2
     assert "overlaps --checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_merged_smollm2_matches_unmerged():
+    """SmolLM2-135M with trained-looking adapters: next-token logits within 1e-4, the same greedy 32 tokens on a
+    fixed prompt set (batched, both prompt-pass paths), the same lm-eval multiple-choice scores to 1e-4."""
+    from lm_eval.api.instance import Instance
+
+    from bitune.eval.lm import BituneLM
+    from bitune.hub import load_model
+
+    models, tokenizer = [], None
+    for merge in (False, True):
+        base, tokenizer = load_model("smollm2-135m")
+        torch.manual_seed(0)  # LoRA A's initialisation: the same adapters in both
+        model = perturb_adapters(BituneModel.wrap(base, BituneConfig()), scale=0.02).eval()
+        models.append(model.merge() if merge else model)
+    tokenizer.padding_side = "left"
+    texts = ["Question: What is the capital of France?\n\nAnswer:", "Question: Name a prime number above 10.\n\nAnswer:",
+             "Question: Why do leaves change colour in autumn?\n\nAnswer:", "Question: 2 + 3 =\n\nAnswer:"]
+    p = tokenizer(texts, return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    with torch.no_grad():
+        pre = [m.prefill(p.input_ids, p.attention_mask) for m in models]
+        last = [m.answer_logits(s, s.last_token, torch.ones_like(s.last_token)) for m, s in zip(models, pre)]
+    torch.testing.assert_close(last[1], last[0], atol=1e-4, rtol=0)
+    for passes in ("batched", "sequential"):
+        outs = []
+        for m in models:
+            m.prompt_passes = passes
+            outs.append(m.generate(p.input_ids, p.attention_mask, **gen))
+        assert torch.equal(outs[0], outs[1]), passes
+    requests = [Instance("loglikelihood", {}, (texts[0], c), i) for i, c in enumerate([" Paris", " London", " Rome"])]
+    scores = [BituneLM(model=m, tokenizer=tokenizer, batch_size=2).loglikelihood(requests) for m in models]
+    for (la, ga), (lb, gb) in zip(*scores):
+        assert lb == pytest.approx(la, abs=1e-4) and ga == gb
