@@ -170,3 +170,11 @@ def test_negative_max_labels_is_refused_before_loading(tmp_path, capsys):
     assert main(["plot", "attention", "--model", str(tmp_path / "no-model"), "--prompt", "hi", "--max-labels", "-5",
                  "--output", str(tmp_path)]) == 2
     assert "--max-labels must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "\ud800"])
+def test_an_empty_or_broken_prompt_is_refused_before_loading(tmp_path, capsys, prompt):
+    """The rule generate applies: an empty prompt, or text that is not valid Unicode, is one error."""
+    assert main(["plot", "attention", "--model", str(tmp_path / "no-model"), "--prompt", prompt,
+                 "--output", str(tmp_path / "out")]) == 2
+    assert "--prompt" in capsys.readouterr().err

@@ -168,6 +168,10 @@ def test_the_cli_warns_before_loading_and_refuses_bad_flags(tmp_path, capsys):
         assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "checkpoint" not in err  # before loading anything
+    for name in ("", "  "):
+        assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--served-model-name", name]) == 2
+        err = capsys.readouterr().err
+        assert "--served-model-name is empty" in err and "not a Bitune checkpoint" not in err
 
 
 @pytest.mark.slow

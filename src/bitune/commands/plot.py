@@ -9,7 +9,7 @@ import sys
 from ..loading import load_bitune
 from ..config import TEMPLATES
 from ..errors import BituneError
-from ..files import check_output_dir
+from ..files import check_output_dir, check_text
 from ..generation import pick_template
 from ..plot import ATTENTION_FILE, FINAL_FILE, STEPS_FILE, plot_attention, plot_mixing
 from .options import add_model_options
@@ -42,6 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.figure == "attention" and args.max_labels < 0:
         raise BituneError(f"--max-labels must be >= 0 (0: no token labels), got {args.max_labels}")
+    if args.figure == "attention":  # the rule generate applies to a prompt
+        if not args.prompt.strip():
+            raise BituneError("--prompt is empty")
+        check_text(args.prompt, "--prompt")
     check_output_dir(args.output, "--output")  # before the model loads
     if args.figure == "mixing":
         paths = plot_mixing(args.log, args.output)

@@ -92,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
             raise BituneError(f"{flag} {value}: must be >= {low}")
     if args.port > 65535:
         raise BituneError(f"--port {args.port}: must be <= 65535")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise BituneError("--served-model-name is empty: clients name the model in every request; give a name or "
+                          "leave the option out (default: the checkpoint or model)")
     key = api_key(args.api_key)
     warning = exposure_warning(args.host, key)
     if warning:
