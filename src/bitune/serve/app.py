@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..errors import BituneError
 from ..generation import end_of_turn_ids, max_new_tokens_for, render, render_messages
 from . import protocol as api
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import Job, QueueFull, Scheduler, SchedulerDown
 
 MAX_BODY_BYTES = 1 << 20
 """Default limit on a request body (1 MiB); larger bodies get 413."""
@@ -143,6 +143,9 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
 
     @app.get("/health")
     async def health():
+        if not scheduler.healthy:
+            return JSONResponse({"status": "down", "error": scheduler.failure or "the model's thread is not running"},
+                                503)
         return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
 
     @app.get("/v1/models")
@@ -195,6 +198,9 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
         job.emit = emit
         try:
             scheduler.submit(job)
+        except SchedulerDown as e:
+            raise api.APIError(503, f"the server cannot generate: {e}", type="server_error",
+                               code="server_down") from e
         except QueueFull as e:
             raise api.APIError(503, f"the server is busy: {e}; retry later", type="server_error",
                                code="queue_full") from e

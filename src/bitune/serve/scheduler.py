@@ -35,6 +35,10 @@ class QueueFull(Exception):
     """More requests wait than the queue holds (``--max-queue``), or the scheduler is shutting down."""
 
 
+class SchedulerDown(QueueFull):
+    """The scheduler thread has stopped after a failure it could not recover from: no request can be served."""
+
+
 @dataclass
 class Job:
     """One request: what to generate and where its events go.
@@ -100,7 +104,7 @@ class _Row:
         done = ended or len(job.tokens) >= job.max_tokens
         delta = self.text.update(text if done else text.rstrip("\ufffd"), end=done)  # hold a partial character
         if delta:
-            job.emit(("text", delta))
+            _emit(job, ("text", delta))
         if ended or self.text.stopped:
             return "stop"
         return "length" if done else None
@@ -128,6 +132,8 @@ class Scheduler:
         self._state: Prefill | None = None
         self._cond = threading.Condition()
         self._closing = False
+        self.failure: str | None = None
+        """Why the scheduler thread stopped, when it stopped on a failure (then :attr:`healthy` is False)."""
         self._thread = threading.Thread(target=self._run, name="bitune-scheduler", daemon=True)
 
     # ------------------------------------------------------------------------------------------- outside
@@ -137,6 +143,8 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job; raises :class:`QueueFull` past ``max_queue`` waiting jobs or while shutting down."""
         with self._cond:
+            if self.failure is not None:
+                raise SchedulerDown(f"the model's thread stopped after a failure ({self.failure})")
             if self._closing:
                 raise QueueFull("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
@@ -144,13 +152,19 @@ class Scheduler:
             self._waiting.append(job)
             self._cond.notify()
 
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """Finish the step under way, end every job left with an error event, and stop the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the step under way, end every job left with an error event, and stop the thread. Returns only
+        once the thread has stopped (no step is then running on the model), or after ``timeout`` seconds."""
         with self._cond:
             self._closing = True
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether requests can be served: the thread runs (or has not started) and has not failed."""
+        return self.failure is None and (self._thread.is_alive() or not self._thread.ident)
 
     @property
     def waiting(self) -> int:
@@ -162,26 +176,46 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cond:
-                    while not (self._waiting or self._rows or self._closing):
-                        self._cond.wait()
-                    if self._closing:
-                        break
-                    admit = []
-                    while self._waiting and len(self._rows) + len(admit) < self.max_batch_size:
-                        job = self._waiting.popleft()
-                        if not job.cancelled:
-                            admit.append(job)
-                if admit:
-                    self._admit(admit)
-                if self._rows:
-                    self._step()
-        for job in [*self._waiting, *(r.job for r in self._rows)]:
-            job.emit(("error", "the server shut down before the answer was complete"))
-        self._waiting.clear()
-        self._rows, self._state = [], None
+        """The loop. A failure anywhere in a round (reading prompts, joining rows, a decoding step, picking,
+        detokenizing, an event callback) ends the requests of that round with an error event and the loop
+        carries on with a fresh batch; only a failure of the loop itself stops the thread, which then marks the
+        scheduler down (:attr:`healthy` False) and ends every request with an error event."""
+        message = "the server shut down before the answer was complete"
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cond:
+                        while not (self._waiting or self._rows or self._closing):
+                            self._cond.wait()
+                        if self._closing:
+                            break
+                        admit = []
+                        while self._waiting and len(self._rows) + len(admit) < self.max_batch_size:
+                            job = self._waiting.popleft()
+                            if not job.cancelled:
+                                admit.append(job)
+                    try:
+                        if admit:
+                            self._admit(admit)
+                        if self._rows:
+                            self._step()
+                    except Exception as e:  # whatever failed, these requests end now; the next round starts clean
+                        log.exception("a scheduler round failed")
+                        ended = {id(r.job) for r in self._rows}
+                        for job in [*(r.job for r in self._rows), *(j for j in admit if id(j) not in ended)]:
+                            _emit(job, ("error", f"generation failed: {type(e).__name__}: {e}"))
+                        self._rows, self._state = [], None
+        except BaseException as e:
+            log.exception("the scheduler thread stopped")
+            self.failure = f"{type(e).__name__}: {e}"
+            message = f"the server's model thread stopped: {self.failure}"
+        finally:
+            with self._cond:
+                left = [*self._waiting, *(r.job for r in self._rows)]
+                self._waiting.clear()
+            for job in left:
+                _emit(job, ("error", message))
+            self._rows, self._state = [], None
 
     def _admit(self, jobs: list[Job]) -> None:
         """Read the new prompts together and join their rows to the running batch."""
@@ -191,7 +225,7 @@ class Scheduler:
         except Exception as e:  # a failing prompt must not take the running rows down
             log.exception("prefill failed")
             for job in jobs:
-                job.emit(("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
+                _emit(job, ("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
             return
         self._state = new if self._state is None else Prefill.concat([self._state, new])
         self._rows += [_Row(j, self.tokenizer, self.device) for j in jobs]
@@ -209,16 +243,26 @@ class Scheduler:
         except Exception as e:
             log.exception("decoding step failed")
             for row in self._rows:
-                row.job.emit(("error", f"decoding failed: {type(e).__name__}: {e}"))
+                _emit(row.job, ("error", f"decoding failed: {type(e).__name__}: {e}"))
             self._rows, self._state = [], None
             return
         keep = []
         for i, (row, token) in enumerate(zip(self._rows, picked)):
             finish = None if row.job.cancelled else row.add(token)
             if finish is not None:
-                row.job.emit(("end", finish, len(row.job.prompt), len(row.job.tokens)))
+                _emit(row.job, ("end", finish, len(row.job.prompt), len(row.job.tokens)))
             elif not row.job.cancelled:
                 keep.append(i)
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             self._state = self._state.select(torch.tensor(keep, device=self.device)).trimmed() if keep else None
+
+
+def _emit(job: Job, event: tuple) -> None:
+    """Send an event; a failing callback (its client gone) cancels that request only: its row leaves the batch
+    at the next step and the other requests go on."""
+    try:
+        job.emit(event)
+    except Exception:
+        log.exception("a request's event callback failed; the request is cancelled")
+        job.cancel()

@@ -1,0 +1,177 @@
+"""The server never hangs a request: a failure anywhere in the scheduler's round ends that round's requests with
+an error event and later requests are served; a failure of the loop itself marks the scheduler down, ends every
+waiting request at once and refuses new ones (faults injected with monkeypatch, once and always)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from test_serve_scheduler import PROMPTS, _model, _Tok
+
+from bitune.passes import Prefill
+from bitune.serve import scheduler as sched
+from bitune.serve.scheduler import Job, Scheduler, SchedulerDown
+
+WAIT = 20  # seconds any request may take here at most (a hang fails the test instead of blocking the suite)
+
+
+def _submit(scheduler: Scheduler, prompt: list[int], max_tokens: int = 4):
+    events, done = [], threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if event[0] != "text":
+            done.set()
+
+    scheduler.submit(Job(prompt=prompt, max_tokens=max_tokens, emit=emit))
+    return events, done
+
+
+def _ended(pending) -> list[str]:
+    """Wait for each request's last event; their kinds ('end' or 'error')."""
+    kinds = []
+    for events, done in pending:
+        assert done.wait(WAIT), "a request was never answered"
+        kinds.append(events[-1][0])
+    return kinds
+
+
+def _raising(original, times: int | None):
+    """``original`` that raises RuntimeError on its first ``times`` calls (None: always)."""
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if times is None or calls["n"] <= times:
+            raise RuntimeError("injected fault")
+        return original(*args, **kwargs)
+    return wrapper
+
+
+FAULTS = {
+    "Prefill.concat": (Prefill, "concat", staticmethod),
+    "_Row.__init__": (sched._Row, "__init__", None),
+    "_Row.add": (sched._Row, "add", None),
+    "Prefill.select": (Prefill, "select", None),
+    "Prefill.trimmed": (Prefill, "trimmed", None),
+}
+
+
+@pytest.mark.parametrize("times", [1, None], ids=["once", "always"])
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_a_failing_round_ends_its_requests_and_the_scheduler_carries_on(monkeypatch, where, times):
+    owner, name, wrap = FAULTS[where]
+    original = owner.__dict__[name]
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+    patched = _raising(fn, times)
+    monkeypatch.setattr(owner, name, wrap(patched) if wrap else patched)
+    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    scheduler.start()
+    try:
+        # two requests of different lengths: rows join a running batch (concat) and one leaves early (select)
+        first = [_submit(scheduler, PROMPTS[0], 6), _submit(scheduler, PROMPTS[1], 2)]
+        kinds = _ended(first)
+        assert set(kinds) <= {"end", "error"}
+        assert scheduler.healthy
+        later = _ended([_submit(scheduler, PROMPTS[2], 3)])
+        if times == 1:
+            assert later == ["end"]  # recovered: served as usual
+        assert scheduler.healthy
+    finally:
+        scheduler.stop()
+
+
+def test_a_failing_event_callback_does_not_take_the_others_down():
+    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    scheduler.start()
+    try:
+        def broken(event):
+            raise RuntimeError("client gone")
+        scheduler.submit(Job(prompt=PROMPTS[3], max_tokens=3, emit=broken))
+        assert _ended([_submit(scheduler, PROMPTS[0], 3)]) == ["end"]
+    finally:
+        scheduler.stop()
+
+
+def test_a_failing_loop_marks_the_scheduler_down_and_ends_every_request(monkeypatch):
+    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    gate = threading.Event()
+
+    class Broken(list):
+        """The waiting queue, which fails the loop itself once the requests are in."""
+
+        def popleft(self):
+            gate.wait(WAIT)
+            raise RuntimeError("injected loop fault")
+
+    scheduler._waiting = Broken()
+    scheduler.start()
+    pending = [_submit(scheduler, p) for p in PROMPTS[:3]]
+    gate.set()
+    assert _ended(pending) == ["error"] * 3
+    assert "model thread stopped" in pending[0][0][-1][1]
+    assert not scheduler.healthy and "injected loop fault" in scheduler.failure
+    with pytest.raises(SchedulerDown):
+        scheduler.submit(Job(prompt=PROMPTS[0], max_tokens=2))
+    scheduler.stop()
+
+
+def test_stop_returns_only_after_the_running_step():
+    model = _model("llama")
+    step, entered, release, finished = model.decode_step, threading.Event(), threading.Event(), threading.Event()
+
+    def slow(state, pick):
+        entered.set()
+        release.wait(WAIT)
+        out = step(state, pick)
+        finished.set()
+        return out
+
+    model.decode_step = slow
+    scheduler = Scheduler(model, _Tok())
+    scheduler.start()
+    pending = [_submit(scheduler, PROMPTS[0], 8)]
+    assert entered.wait(WAIT)
+    stopper = threading.Thread(target=scheduler.stop)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # the step is still on the model: stop waits
+    release.set()
+    stopper.join(WAIT)
+    assert not stopper.is_alive() and finished.is_set()
+    assert _ended(pending) == ["error"]  # ended by the shutdown, not left waiting
+
+
+def test_a_dead_scheduler_answers_503_at_once_over_http(tmp_path):
+    """With the official client: the request in flight when the loop fails gets a 500 server_error, then
+    /health says 503 and every new request gets a 503 at once (no request waits)."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    from gen_helpers import save_checkpoint
+    from serve_helpers import serving
+
+    ckpt = save_checkpoint(tmp_path, chat_template=True)[0]
+    with serving(ckpt) as (url, scheduler, _):
+        class Broken(type(scheduler._waiting)):
+            def popleft(self):
+                raise RuntimeError("injected loop fault")
+
+        scheduler._waiting = Broken(scheduler._waiting)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=WAIT)
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.APIStatusError) as first:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        assert first.value.status_code == 500 and first.value.body["type"] == "server_error"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{url}/health", timeout=WAIT)
+        assert health.value.code == 503 and "injected loop fault" in json.loads(health.value.read())["error"]
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as later:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+        assert later.value.status_code == 503 and later.value.body["code"] == "server_down"
+        assert time.monotonic() - started < 5
