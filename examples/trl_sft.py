@@ -12,7 +12,7 @@ model = BituneModel.wrap(base, BituneConfig(base_model="smollm2-135m"))  # Bitun
 data = load_dataset("json", data_files="configs/instruct/data/chat_demo.jsonl", split="train")
 cpu = not torch.cuda.is_available()
 args = SFTConfig(output_dir="runs/trl-chat", max_steps=30, per_device_train_batch_size=4, learning_rate=3e-4,
-                 activation_checkpointing=False, bf16=not cpu, use_cpu=cpu, save_strategy="no", report_to="none")
+                 bf16=not cpu, use_cpu=cpu, save_strategy="no", report_to="none")
 trainer = BituneSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 trainer.train()
 trainer.save_model()  # a Bitune checkpoint in runs/trl-chat: bitune generate --checkpoint runs/trl-chat

@@ -5,6 +5,7 @@ the weights of 1; every refused option and row refused with one error naming it.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -272,16 +273,42 @@ def test_two_processes_reach_the_weights_of_one(tmp_path):
 @pytest.mark.parametrize("option, match", [
     ({"packing": True}, "packing=True is refused: Bitune reads each prompt on its own"),
     ({"padding_free": True}, "padding_free=True is refused"),
-    ({"activation_checkpointing": True}, "checkpointing, on by SFTConfig's default, is refused: it runs the prompt "
-                                         "passes without a KV cache"),
-    ({"activation_checkpointing": None, "gradient_checkpointing": True}, "activation_checkpointing=False"),
+    ({"activation_checkpointing_kwargs": {"selective": True}}, "'selective': True} is refused"),
+    ({"activation_checkpointing_kwargs": {"every_n_layers": 2}}, "every_n_layers and offload are refused"),
+    ({"activation_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True is refused"),
     ({"assistant_only_loss": True}, "assistant_only_loss=True is refused"),
     ({"completion_only_loss": False}, "completion_only_loss=False is refused"),
     ({"loss_type": "dft"}, "loss_type and label_smoothing_factor are refused"),
 ])
 def test_options_bitune_cannot_train_with_are_refused(tmp_path, option, match):
+    if "activation_checkpointing_kwargs" in option:
+        option = {"activation_checkpointing": True, **option}
     with pytest.raises(BituneError, match=match):
         sft_trainer(str(tmp_path / "out"), **option)
+
+
+def test_sft_configs_checkpointing_default_trains_with_the_same_loss_and_gradients(tmp_path):
+    """SFTConfig's default activation_checkpointing=True maps onto Bitune's own checkpointing (the prompt caches
+    kept): the batch's loss and every gradient equal those without it (1e-5), and training runs."""
+    from trl import SFTConfig
+
+    assert SFTConfig(output_dir=str(tmp_path / "d"), use_cpu=True, bf16=False).activation_checkpointing  # TRL default
+    results = []
+    for on in (False, True):
+        trainer = sft_trainer(str(tmp_path / f"out{on}"), activation_checkpointing=on, per_device_train_batch_size=4)
+        model = trainer.bitune_model.train()
+        assert trainer.model.is_activation_checkpointing == on == model.checkpointing
+        batch = next(iter(trainer.get_train_dataloader()))
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.trainable_parameters().items()}))
+        model.zero_grad()
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
+    assert_same(results[1][1], results[0][1], atol=1e-5)
+    trainer = sft_trainer(str(tmp_path / "run"), activation_checkpointing=True)
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
 
 
 @pytest.mark.parametrize("bad_rows, match", [

@@ -240,6 +240,11 @@ class BituneModel(nn.Module):
         layer are recomputed in the backward pass; the prompt caches are kept, loss and gradients unchanged."""
         checkpoint_layers(self.decoder_layers())
 
+    @property
+    def checkpointing(self) -> bool:
+        """Whether :meth:`enable_checkpointing` is on."""
+        return any("forward" in layer.__dict__ for layer in self.decoder_layers())
+
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
         self.check_no_checkpointing()

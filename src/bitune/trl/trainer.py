@@ -65,6 +65,19 @@ class TrainerModel(nn.Module):
     def add_model_tags(self, tags: list[str]) -> None:
         self.bitune.weights.base.add_model_tags(tags)
 
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """What ``Trainer`` calls for ``activation_checkpointing=True`` (SFTConfig's default): Bitune's own
+        checkpointing (:meth:`BituneModel.enable_checkpointing`: every decoder layer, the prompt caches kept),
+        not transformers' (which drops the prompt cache). Its options were checked by the trainer."""
+        self.bitune.enable_checkpointing()
+
+    gradient_checkpointing_enable = activation_checkpointing_enable  # the deprecated name transformers may call
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.bitune.checkpointing
+
     def forward(self, prompt_ids, prompt_mask, answer_ids, answer_mask):
         return self.bitune(prompt_ids, prompt_mask, answer_ids, answer_mask)
 
@@ -76,9 +89,10 @@ class BituneSFTTrainer(SFTTrainer):
         model: a :class:`BituneModel`, or the name/folder of a base model (``bitune.hub.load_model``: built-in
             names such as ``smollm2-135m`` load offline), wrapped with ``bitune_config``.
         bitune_config: how to wrap a named model (default: Bitune + LoRA r8); only with a name.
-        args: an ``SFTConfig`` with ``activation_checkpointing=False`` (checkpointing is refused); on a machine
-            without GPUs also ``bf16=False`` (bf16 is ~20x slower on CPU) and ``use_cpu=True`` (needed by
-            transformers to run several processes as one group).
+        args: an ``SFTConfig``; its default ``activation_checkpointing=True`` runs Bitune's own checkpointing
+            (every decoder layer, the prompt caches kept: the same loss and gradients). On a machine without GPUs
+            also ``bf16=False`` (bf16 is ~20x slower on CPU) and ``use_cpu=True`` (needed by transformers to run
+            several processes as one group).
         train_dataset, eval_dataset: ``datasets.Dataset`` of prompt-completion, conversational or
             conversational prompt-completion rows.
         processing_class: the tokenizer (default: the one loaded with a named model).
@@ -97,13 +111,14 @@ class BituneSFTTrainer(SFTTrainer):
     def __init__(self, model: BituneModel | str, args: SFTConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, bitune_config: BituneConfig | None = None, **kwargs):
         if args is None:
-            raise BituneError("BituneSFTTrainer needs args=SFTConfig(output_dir=..., activation_checkpointing=False"
-                              ", ...)")
+            raise BituneError("BituneSFTTrainer needs args=SFTConfig(output_dir=..., ...)")
         _check_options(args, kwargs)
         model, processing_class = _bitune_model(model, bitune_config, processing_class)
         if model.config.variant == "pretrained":
             raise BituneError("BituneSFTTrainer: variant='pretrained' trains nothing; pick a trainable variant")
         model.unmerge()  # a model loaded for inference (merged) trains on its unmerged factors
+        if args.activation_checkpointing:  # Bitune's own (Trainer calls it again in train(): idempotent)
+            model.enable_checkpointing()
         if train_dataset is None:
             raise BituneError("BituneSFTTrainer needs a train_dataset")
         max_length = args.max_length
@@ -229,10 +244,20 @@ def _check_options(args: SFTConfig, kwargs: dict) -> None:
     if args.padding_free:
         raise BituneError("BituneSFTTrainer: padding_free=True is refused: Bitune's forward takes left-padded "
                           "prompts and right-padded answers apart, not one flattened sequence; set padding_free=False")
-    if args.activation_checkpointing:
-        raise BituneError("BituneSFTTrainer: activation (gradient) checkpointing, on by SFTConfig's default, is "
-                          "refused: it runs the prompt passes without a KV cache, and Bitune's answer pass reads "
-                          "that cache; pass SFTConfig(activation_checkpointing=False)")
+    if args.activation_checkpointing:  # SFTConfig's default: mapped onto Bitune's own checkpointing
+        options = dict(args.activation_checkpointing_kwargs or {})
+        if options.pop("selective", False):
+            raise BituneError("BituneSFTTrainer: activation_checkpointing_kwargs={'selective': True} is refused: "
+                              "Bitune checkpoints whole decoder layers (its prompt caches kept); drop 'selective'")
+        if options.pop("every_n_layers", 1) != 1 or options.pop("offload", False):
+            raise BituneError("BituneSFTTrainer: activation_checkpointing_kwargs every_n_layers and offload are "
+                              "refused: Bitune checkpoints every decoder layer and keeps activations in place")
+        if options.pop("use_reentrant", False):
+            raise BituneError("BituneSFTTrainer: use_reentrant=True is refused: Bitune's checkpointing is "
+                              "non-reentrant (it keeps the prompt caches); leave use_reentrant unset")
+        if options:
+            raise BituneError(f"BituneSFTTrainer: activation_checkpointing_kwargs {sorted(options)} are not "
+                              "supported by Bitune's checkpointing")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and args.world_size == 1:
         raise BituneError(f"BituneSFTTrainer: launched as {launched} processes, but this SFTConfig sets up 1 (on a "
