@@ -264,3 +264,21 @@ def test_runs_trained_per_task_count_once_per_seed_and_average_over_tasks():
     assert per_task.rows() == whole.rows()
     pretrained = aggregate([record("pretrained", None, 0.6, 0.2)] + [record("pretrained", None, 0.6, 0.2)])
     assert pretrained.runs == {"pretrained": 2}  # two runs on the same tasks stay two runs
+
+
+@pytest.mark.parametrize("key, values, what", [
+    ("model", ("smollm2-135m", "gemma3-270m"), "base model"),
+    ("template", ("paper", "chat"), "prompt template"),
+    ("limit", (None, 20), "--limit"),
+])
+def test_report_refuses_runs_of_different_settings(tmp_path, capsys, key, values, what):
+    """Runs of two base models (or templates, or question cuts) are never paired or averaged as seeds."""
+    records = [paired_record("lora", 42, [1, 0] * 10), paired_record("bitune", 42, [1, 1] * 10)]
+    for record, value in zip(records, values):
+        record["config"][key] = value
+    runs = tmp_path / "r"
+    write_runs(runs, records)
+    assert main(["report", str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert f"differ in {what}" in err and repr(values[0]) in err and repr(values[1]) in err
+    assert "lora (seed 42)" in err and "bitune (seed 42)" in err

@@ -137,6 +137,30 @@ def metric_of(task: str, metrics: dict, metric: str = "acc", gsm8k_metric: str =
     return float(value)
 
 
+COMPARABLE = (("model", "base model"), ("template", "prompt template"), ("limit", "--limit"))
+"""What every run of one report must share (config key, name in errors): runs of different base models, prompt
+templates or question cuts are not seeds of one experiment and must not be averaged or paired."""
+
+
+def check_comparable(records: list[dict]) -> None:
+    """Refuse a report over runs that disagree on what makes them comparable (:data:`COMPARABLE`).
+
+    Raises:
+        BituneError: naming the setting, each value and a run that has it.
+    """
+    for key, what in COMPARABLE:
+        seen: dict[str, str] = {}
+        for r in records:
+            value = r["config"].get(key)
+            if key == "template" and value is None:
+                continue  # older records did not store it
+            seen.setdefault(repr(value), f"{r['label']} (seed {r['config'].get('train_seed')})")
+        if len(seen) > 1:
+            listed = "; ".join(f"{v} in {run}" for v, run in seen.items())
+            raise BituneError(f"these runs differ in {what}: {listed}; a report pairs and averages runs of one "
+                              "setting only: report each setting's runs apart")
+
+
 def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict") -> Report:
     """Group eval records by ``label`` and aggregate each task (and the per-run average) over the runs.
 
@@ -145,6 +169,7 @@ def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exa
     """
     if not records:
         raise BituneError("no eval results to report")
+    check_comparable(records)
     seen = {t for r in records for t in r["tasks"]}
     tasks = [t for t in TASK_ORDER if t in seen] + sorted(seen - set(TASK_ORDER))
     per_run: dict[tuple, dict[str, float]] = {}  # (label, seed, n) -> {task: value}
