@@ -175,3 +175,36 @@ def test_a_dead_scheduler_answers_503_at_once_over_http(tmp_path):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
         assert later.value.status_code == 503 and later.value.body["code"] == "server_down"
         assert time.monotonic() - started < 5
+
+
+def test_a_client_that_closes_a_non_streaming_request_frees_its_row(tmp_path):
+    """The server notices the closed connection (ASGI http.disconnect) and the row leaves the batch, long before
+    its 100 tokens could be generated."""
+    import http.client
+    import json
+    import time
+
+    from gen_helpers import save_checkpoint
+    from serve_helpers import serving
+
+    ckpt = save_checkpoint(tmp_path, chat_template=True)[0]
+    with serving(ckpt) as (url, scheduler, _):
+        step, started = scheduler.model.decode_step, threading.Event()
+
+        def slow(state, pick):  # a slow model: 100 tokens would take 20 s
+            started.set()
+            time.sleep(0.2)
+            return step(state, pick)
+
+        scheduler.model.decode_step = slow
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=WAIT)
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100,
+                           "ignore_eos": True})
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        assert started.wait(WAIT) and scheduler.running == 1
+        conn.close()  # the client goes away without reading the answer
+        deadline = time.monotonic() + 10
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.running == 0

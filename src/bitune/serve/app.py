@@ -209,15 +209,13 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
     async def _collect(request: Request, job: Job):
         queue = _submit(job)
         parts = []
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                        raise api.APIError(499, "the client closed the request") from None
-                    continue
+                event = await _next_event(queue, gone)
+                if event is None:
+                    job.cancel()
+                    raise api.APIError(499, "the client closed the request")
                 if event[0] == "text":
                     parts.append(event[1])
                 elif event[0] == "end":
@@ -225,6 +223,7 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
                 else:
                     raise api.APIError(500, event[1], type="server_error", code="generation_failed")
         finally:
+            gone.cancel()
             job.cancel()  # no-op once the job ended; a cancelled handler frees the row
 
     def _stream(request: Request, job: Job, include_usage: bool, opening, chunk, usage_chunk) -> StreamingResponse:
@@ -236,16 +235,14 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
             return f"data: {json.dumps(obj)}\n\n"
 
         async def events():
+            gone = asyncio.ensure_future(_disconnected(request))
             try:
                 if opening is not None:
                     yield sse(opening)
                 while True:
-                    try:
-                        event = await asyncio.wait_for(queue.get(), timeout=1.0)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
+                    event = await _next_event(queue, gone)
+                    if event is None:  # the client went away: its row leaves at the next step
+                        return
                     if event[0] == "text":
                         yield sse(chunk(event[1], None))
                     elif event[0] == "end":
@@ -258,6 +255,7 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
                         break
                 yield "data: [DONE]\n\n"
             finally:
+                gone.cancel()
                 job.cancel()
 
         return StreamingResponse(events(), media_type="text/event-stream",
@@ -325,3 +323,22 @@ async def _send_error(send, status: int, body: dict) -> None:
 
 
 __all__ = ["Served", "create_app", "Gate", "MAX_BODY_BYTES"]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection: the body has been read, so the next ASGI message is
+    ``http.disconnect`` (no polling)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _next_event(queue: asyncio.Queue, gone: asyncio.Future):
+    """The scheduler's next event for this request, or None once ``gone`` (the client's disconnect) is done."""
+    if gone.done():
+        return None
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return None
