@@ -238,14 +238,7 @@ class Scheduler:
             picked.extend(row.pick(x) for row, x in zip(self._rows, logits))
             return torch.tensor(picked, device=logits.device)
 
-        try:
-            self._state = self.model.decode_step(self._state, pick)
-        except Exception as e:
-            log.exception("decoding step failed")
-            for row in self._rows:
-                _emit(row.job, ("error", f"decoding failed: {type(e).__name__}: {e}"))
-            self._rows, self._state = [], None
-            return
+        self._state = self.model.decode_step(self._state, pick)  # a failure ends every row (the round's guard)
         keep = []
         for i, (row, token) in enumerate(zip(self._rows, picked)):
             finish = None if row.job.cancelled else row.add(token)
