@@ -444,6 +444,8 @@ class BituneModel(nn.Module):
         loads it, and its ``generate`` continues any Bitune prefill of this model with the same tokens), plus
         ``bitune/``, this model's checkpoint (:meth:`save_pretrained`: the bidir set, the mixer and the config) for
         the prefill workers that compute the mixed cache. Written to a temporary folder and renamed into place.
+        An unmerged model is merged for the export and unmerged after it (its base weights then differ from
+        before by float rounding: export a model you will train further from a fresh load).
 
         Args:
             directory: the output folder (replaced if it exists).
