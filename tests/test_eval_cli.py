@@ -75,6 +75,9 @@ def test_eval_cli_end_to_end(checkpoint, monkeypatch):
     assert record["config"]["bitune"]["variant"] == "bitune"
     assert record["timing"]["eval_s"] > 0
     assert record["timing"]["torch_threads"] == torch.get_num_threads()  # wall times are read with it
+    card = (checkpoint / "final" / "README.md").read_text()  # the model card now shows these results, with n
+    assert "## Evaluation" in card and card.count("## Evaluation") == 1 and "| piqa | acc |" in card
+    assert f"| {100 * piqa['acc']:.1f} |" in card and "| 3 |" in card and card.startswith("---\n")
 
 
 def test_eval_cli_rejects_unknown_task(checkpoint, capsys):

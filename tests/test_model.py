@@ -187,7 +187,7 @@ def test_save_load_round_trip(tmp_path, method):
     tensors = batch()
     model.save_pretrained(tmp_path / "ckpt")
     files = {str(p.relative_to(tmp_path / "ckpt")) for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
-    expected = {"bitune_config.json", "mixer.safetensors"}
+    expected = {"bitune_config.json", "mixer.safetensors", "README.md"}  # README.md: the model card
     if method == "full":
         expected |= {"causal/config.json", "causal/generation_config.json", "causal/model.safetensors",
                      "bidir/model.safetensors"}

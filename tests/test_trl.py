@@ -233,7 +233,7 @@ def test_saving_over_another_checkpoint_leaves_none_of_its_parts(tmp_path):
     baseline = sft_trainer(str(tmp_path / "b"), model=fresh_model("lora"))
     baseline.save_model(str(tmp_path / "final"))
     assert sorted(p.name for p in (tmp_path / "final").iterdir() if not p.name.startswith("tokenizer")) == [
-        "bitune_config.json", "causal"]
+        "README.md", "bitune_config.json", "causal"]
     loaded = BituneModel.from_pretrained(tmp_path / "final", base=tiny_model())
     assert loaded.config.variant == "lora"
     assert_same(trainable(loaded), trainable(baseline.bitune_model), atol=0)

@@ -6,9 +6,10 @@ imports it.)
 A checkpoint folder holds ``bitune_config.json`` (:class:`~bitune.config.BituneConfig`: what was trained, never how
 the passes run), ``mixer.safetensors`` (the thetas, for mixing variants) and one folder per weight set: PEFT's own
 adapter format (``adapter_config.json`` + ``adapter_model.safetensors``, loadable by plain PEFT) or, for full
-fine-tuning, a transformers model folder (``causal/``) and the bidir copy (``bidir/model.safetensors``). No pickles.
-It is written into a temporary folder and renamed into place, so an existing checkpoint is never left
-half-overwritten; loading is strict (every tensor must match).
+fine-tuning, a transformers model folder (``causal/``) and the bidir copy (``bidir/model.safetensors``), plus the
+model card ``README.md`` (:mod:`bitune.modelcard`; a user's own README is kept). No pickles. It is written into a
+temporary folder and renamed into place, so an existing checkpoint is never left half-overwritten; loading is
+strict (every tensor must match).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch import nn
 from .config import BituneConfig
 from .errors import BituneError
 from .files import apply_umask, read_text, replace_dir
+from .modelcard import Training
+from .modelcard import write as write_card
 
 CONFIG_FILE = "bitune_config.json"
 MIXER_FILE = "mixer.safetensors"
@@ -36,13 +39,21 @@ WEIGHT_SETS = ("causal", "bidir")
 FULL_FILE = "model.safetensors"
 
 
-def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
-    """Save adapters (PEFT format, one folder per weight set), mixer (safetensors) and config (JSON).
+def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None,
+         training: Training | None = None, destination: str | os.PathLike | None = None,
+         replaces: bool = True) -> None:
+    """Save adapters (PEFT format, one folder per weight set), mixer (safetensors), config (JSON) and model card.
 
     Args:
         model: the :class:`~bitune.model.BituneModel` (its config, weight sets and mixer).
         tensors: the weights to write, named as :meth:`BituneModel.weight_tensors` names them (e.g. gathered from
             a sharded model); default: the model's own.
+        training: the run that saved it, for the model card.
+        destination: where the checkpoint will end up when ``directory`` is a staging folder the caller moves
+            (default: ``directory``): the card shows that path, reads the ``eval.json`` beside it and keeps a
+            user's ``README.md`` there.
+        replaces: the folder at ``destination`` is replaced by this one (False: the caller moves the files into
+            it and keeps its other files, an ``eval.json`` included).
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -61,7 +72,7 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
         if weights.peft:
             state = {k: t for name in config.weight_sets for k, t in parts[name].items()}
             weights.model.save_pretrained(str(tmp), selected_adapters=list(config.weight_sets), state_dict=state)
-            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template
+            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's empty model-card template: ours follows
         elif config.method == "full" and config.weight_sets:
             buffers = {k: v for k, v in weights.model.state_dict(keep_vars=True).items()
                        if not isinstance(v, nn.Parameter)}
@@ -70,6 +81,7 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
             if "bidir" in config.weight_sets:
                 (tmp / "bidir").mkdir()
                 save_file({k.replace(".", "__"): t for k, t in parts["bidir"].items()}, str(tmp / "bidir" / FULL_FILE))
+        write_card(tmp, config, training, directory if destination is None else destination, replaces)
         apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
         replace_dir(tmp, directory)
     except BaseException:

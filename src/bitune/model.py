@@ -44,6 +44,7 @@ from .hub import load_model
 from .inputs import check_answer, check_architecture, check_ids, check_prompt, context_room
 from .masks import position_ids
 from .mixer import Mixer
+from .modelcard import Training
 from .recompute import checkpoint_layers
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
 
@@ -404,10 +405,12 @@ class BituneModel(nn.Module):
         return Prefill(state.cache, torch.cat([state.ids, state.last_token], dim=1), mask, token)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
-    def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Save the trained state (adapters in PEFT's format, mixer, config); see :func:`bitune.checkpoint.save`
-        (``tensors``: the weights to write, e.g. gathered from a sharded model)."""
-        checkpoint.save(self, directory, tensors)
+    def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None,
+                        training: Training | None = None) -> None:
+        """Save the trained state (adapters in PEFT's format, mixer, config) and a model card (``README.md``;
+        a user's own README there is kept); see :func:`bitune.checkpoint.save` (``tensors``: the weights to
+        write, e.g. gathered from a sharded model; ``training``: the run that saved it, for the card)."""
+        checkpoint.save(self, directory, tensors, training)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
@@ -483,7 +486,7 @@ class BituneModel(nn.Module):
                 plain.save_pretrained(tmp, safe_serialization=True)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
-                self.save_pretrained(tmp / "bitune")
+                checkpoint.save(self, tmp / "bitune", destination=directory / "bitune")  # its card shows where
                 apply_umask(tmp)
                 replace_dir(tmp, directory)
             except BaseException:

@@ -89,9 +89,13 @@ def run(args: argparse.Namespace) -> int:
         if status:
             raise BituneError(f"the {args.num_processes} evaluation processes failed (exit status {status}); "
                               "their errors are above")
-        return 0
-    evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
-                 limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                 seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
-                 template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge)
+    else:
+        evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
+                     limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                     seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
+                     template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge)
+    if args.checkpoint and out is not None:  # the checkpoint's model card shows the results just written
+        from ..modelcard import refresh_evaluation
+
+        refresh_evaluation(args.checkpoint)
     return 0

@@ -1,10 +1,11 @@
 """Training checkpoints: written whole or not at all, read back strictly, checked before a resume.
 
-A ``checkpoint-N`` folder holds the model (:meth:`~bitune.model.BituneModel.save_pretrained`: adapters, mixer,
-config; safetensors + JSON), ``optimizer.pt`` and ``scheduler.pt`` (state dicts: tensors and numbers only, read
-with ``weights_only=True``), one RNG-state file per process (``rng_state.pth``, or ``rng_state_<rank>.pth``) and
-``trainer_state.json`` (step, epoch, loss sum). Every process writes its RNG state into a staging folder, the
-main process writes the rest, and the folder is renamed into place: ``checkpoint-N`` is complete or absent.
+A ``checkpoint-N`` folder holds the model (:func:`bitune.checkpoint.save`: adapters, mixer, config; safetensors +
+JSON; and the model card ``README.md``), ``optimizer.pt`` and ``scheduler.pt`` (state dicts: tensors and numbers
+only, read with ``weights_only=True``), one RNG-state file per process (``rng_state.pth``, or
+``rng_state_<rank>.pth``) and ``trainer_state.json`` (step, epoch, loss sum). Every process writes its RNG state
+into a staging folder, the main process writes the rest, and the folder is renamed into place: ``checkpoint-N`` is
+complete or absent.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint import read_config
+from ..checkpoint import read_config, save
 from ..errors import BituneError
 from ..files import replace_dir, write_text_atomic
 from ..model import BituneModel
+from ..modelcard import Training
 from . import sharding
 from .run_folder import CHECKPOINT_PREFIX, STATE_FILE, rng_file, rotate
 
@@ -52,11 +54,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model: BituneModel, optimizer, scheduler, state: dict[str, Any],
-                    accelerator, keep: int | None, sharded: bool = False) -> None:
+                    accelerator, keep: int | None, sharded: bool = False, training: Training | None = None) -> None:
     """Write ``root/checkpoint-<step>`` atomically and keep the newest ``keep`` checkpoints.
 
     Every process calls it (each writes its RNG state); the main process writes the rest, renames and rotates.
     With ``sharded`` (FSDP) weights and optimizer state are gathered first: the files are the same as unsharded.
+    ``training``: the run, for the model card (``README.md``, written in the staging folder like every file).
     """
     main = accelerator.is_main_process
     tensors = sharding.gathered(model.weight_tensors(), keep=main) if sharded else None
@@ -66,7 +69,7 @@ def save_checkpoint(root: Path, step: int, model: BituneModel, optimizer, schedu
     try:
         if main:
             shutil.rmtree(staging, ignore_errors=True)
-            model.save_pretrained(staging, tensors)  # replaces the staging folder: first, before any other file
+            save(model, staging, tensors, training, destination=root / name)  # replaces the staging folder: first
             torch.save(optimizer_state, staging / OPTIMIZER_FILE)
             torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
         accelerator.wait_for_everyone()  # the staging folder exists for every process

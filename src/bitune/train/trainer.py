@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from ..data.sampling import LengthGroupedSampler, RepeatedPrefix, ShuffledSampler
 from ..errors import BituneError
 from ..model import BituneModel
+from ..modelcard import Training
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from . import sharding
 from .logger import JsonlLogger
@@ -235,10 +236,16 @@ class BituneTrainer:
 
     def save_model(self, directory: Path) -> None:
         """Write the standard Bitune checkpoint of the model into ``directory`` from the main process (every process
-        calls this: sharded weights are gathered first)."""
+        calls this: sharded weights are gathered first), its model card recording this run."""
         tensors = sharding.gathered(self.model.weight_tensors(), keep=self.is_main) if self.fsdp else None
         if self.is_main:
-            self.model.save_pretrained(directory, tensors)
+            self.model.save_pretrained(directory, tensors, self.training_record())
+
+    def training_record(self) -> Training:
+        """What the model card of a checkpoint saved now records: the run's settings, data and step."""
+        s = self.settings
+        return Training(s.to_dict(), "bitune train", (s.dataset,), step=self.state.global_step,
+                        epoch=self.state.epoch)
 
     # ---------------------------------------------------------------------------------------------- the loop
     def train(self, resume_from: Path | None = None) -> dict[str, float]:
@@ -358,7 +365,7 @@ class BituneTrainer:
         if save:
             self.check_finite()  # a diverged model never replaces a good checkpoint
             save_checkpoint(Path(s.output_dir), step, self.model, self.optimizer, self.scheduler, asdict(self.state),
-                            self.accelerator, s.save_total_limit, sharded=self.fsdp)
+                            self.accelerator, s.save_total_limit, sharded=self.fsdp, training=self.training_record())
 
     def evaluate(self) -> dict[str, float]:
         """``eval_loss``: the mean over the validation examples of each example's loss (logged too)."""

@@ -14,7 +14,7 @@ What changes against a plain ``SFTTrainer``, and why:
   the order of ``bitune train`` with the same seed and grouping;
 - ``save_model`` and every ``checkpoint-N`` hold a Bitune checkpoint (:mod:`bitune.checkpoint`, with the
   tokenizer), which ``bitune generate / eval / chat`` and ``BituneModel.from_pretrained`` load; resuming reads
-  it back.
+  it back. The model card (``README.md``, TRL's ``create_model_card``) is Bitune's (:mod:`bitune.modelcard`).
 
 Refused, each with one error saying why: packing and padding-free batches (a Bitune forward needs each prompt
 and answer apart), gradient checkpointing (it drops the prompt passes' KV cache the answer reads), options that
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import datasets
 import torch
+import trl
 from torch import nn
 from transformers import Trainer
 from transformers.utils import logging
@@ -42,9 +43,16 @@ from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
 from ..files import replace_dir
 from ..model import BituneModel
+from ..modelcard import CARD_FILE, Training, is_ours
+from ..modelcard import write as write_card
 from .rows import split_batch, tokenize_rows
 
 logger = logging.get_logger(__name__)
+CARD_SETTINGS = ("max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
+                 "optim", "seed", "data_seed", "max_length", "train_sampling_strategy", "bf16",
+                 "activation_checkpointing")
+"""The ``SFTConfig`` fields a checkpoint's model card records."""
 
 class TrainerModel(nn.Module):
     """The face a ``BituneModel`` shows to ``Trainer``: the base model's transformers config, generation config
@@ -93,8 +101,9 @@ class BituneSFTTrainer(SFTTrainer):
             (every decoder layer, the prompt caches kept: the same loss and gradients). On a machine without GPUs
             also ``bf16=False`` (bf16 is ~20x slower on CPU) and ``use_cpu=True`` (needed by transformers to run
             several processes as one group).
-        train_dataset, eval_dataset: ``datasets.Dataset`` of prompt-completion, conversational or
-            conversational prompt-completion rows.
+        train_dataset: a ``datasets.Dataset`` of prompt-completion, conversational or conversational
+            prompt-completion rows.
+        eval_dataset: rows of the same kinds, for evaluation (optional).
         processing_class: the tokenizer (default: the one loaded with a named model).
         **kwargs: the rest of ``SFTTrainer``'s arguments (``callbacks``, ``optimizers``, ...).
 
@@ -206,7 +215,8 @@ class BituneSFTTrainer(SFTTrainer):
         out.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            save(self.bitune_model, tmp / "checkpoint")
+            save(self.bitune_model, tmp / "checkpoint", training=self.training_record(), destination=out,
+                 replaces=False)
             self.processing_class.save_pretrained(str(tmp / "checkpoint"))
             (out / CONFIG_FILE).unlink(missing_ok=True)
             for name in ("causal", "bidir", MIXER_FILE):  # parts of an earlier checkpoint this one lacks
@@ -219,12 +229,41 @@ class BituneSFTTrainer(SFTTrainer):
                     stale.unlink(missing_ok=True)
             entries = sorted((tmp / "checkpoint").iterdir(), key=lambda p: p.name == CONFIG_FILE)
             for entry in entries:
+                if entry.name == CARD_FILE and not is_ours(entry):
+                    continue  # the user's own README.md in out: kept as it is
                 if entry.is_dir():
                     replace_dir(entry, out / entry.name)
                 else:
                     os.replace(entry, out / entry.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """Write Bitune's model card (:mod:`bitune.modelcard`) as ``output_dir/README.md`` in place of TRL's, whose
+        usage text (a transformers pipeline) does not load a Bitune checkpoint. TRL calls it before every
+        ``checkpoint-N`` and ``push_to_hub`` after saving; a user's own README there is kept.
+
+        Args:
+            model_name: unused (the card names the variant and base model).
+            dataset_name: the training data's name(s), for the card's ``datasets`` metadata.
+            tags: extra metadata tags.
+        """
+        if not self.is_world_process_zero():
+            return
+        names = [dataset_name] if isinstance(dataset_name, str) else list(dataset_name or [])
+        extra = [tags] if isinstance(tags, str) else list(tags or [])
+        write_card(self.args.output_dir, self.bitune_model.config, self.training_record(names, extra))
+
+    def training_record(self, dataset_names: list[str] | tuple[str, ...] = (),
+                        tags: list[str] | tuple[str, ...] = ()) -> Training:
+        """What the model card of a checkpoint saved now records: the ``SFTConfig`` values that shape training, the
+        processes, the rows dropped, the step and epoch."""
+        args = self.args.to_dict()  # enums as their values
+        settings = {k: args[k] for k in CARD_SETTINGS if k in args}
+        settings.update(processes=self.args.world_size, rows_dropped=self.dropped)
+        return Training(settings, f"BituneSFTTrainer (TRL {trl.__version__})", tuple(dataset_names),
+                        (*self._tag_names, *tags), step=self.state.global_step, epoch=self.state.epoch)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         load_weights(self.bitune_model, resume_from_checkpoint)
