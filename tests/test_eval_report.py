@@ -252,6 +252,40 @@ def test_embed_replaces_only_the_marked_block(tmp_path, capsys):
     assert not (runs / "report.md").exists()  # nothing written when an --embed target is unusable
 
 
+def test_embed_summary_shows_accuracies_trivial_baselines_and_bitune_differences(tmp_path, capsys):
+    """The README's short form: each method's accuracy with its interval next to the best trivial baseline (a method
+    under it marked), then Bitune minus each baseline with the two-level interval and the full report's Holm p; the
+    full report it summarises is linked relative to the document; nothing else in the document changes."""
+    from bitune.eval.report import SUMMARY_BEGIN, SUMMARY_END
+
+    def run(label, correct):
+        r = paired_record(label, 42, correct)
+        r["samples"]["arc_challenge"]["gold"] = [1] * len(correct)  # always choice 1 is right on every question
+        r["samples"]["arc_challenge"]["loglik"] = [[-1.0, -2.0, -3.0]] * len(correct)  # 3 choices each
+        return r
+
+    runs = tmp_path / "r"
+    write_runs(runs, [run("lora", [1, 0] * 10), run("bitune", [1, 1] * 10)])
+    doc = tmp_path / "docs" / "README.md"
+    doc.parent.mkdir()
+    doc.write_text(f"Before.\n{SUMMARY_BEGIN}\nold\n{SUMMARY_END}\nAfter.\n")
+    assert main(["report", str(runs), "--embed-summary", str(doc), "--no-figure"]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"Before.\n{SUMMARY_BEGIN}\n") and text.endswith(f"{SUMMARY_END}\nAfter.\n")
+    assert "old" not in text and "### Summary: ARC-C: acc" in text
+    # the best trivial baseline (always choice 1) scores 100% here: LoRA's 50% is marked below it, Bitune's 100% not
+    row = next(line for line in text.splitlines() if line.startswith("| ARC-C | 20 | 100.0 | "))
+    assert row.split(" | ")[3].startswith("50.0 [") and row.split(" | ")[3].endswith("(below)")
+    assert row.split(" | ")[4] == "100.0 [100.0, 100.0] |" and text.count("(below)") == 2  # the legend + LoRA
+    row = next(line for line in text.splitlines() if line.startswith("| ARC-C | +50.0 ["))
+    assert "Holm p" in row  # bitune minus lora: +50 points on the same 20 questions
+    assert "[../r/report.md](../r/report.md)" in text
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    assert main(["report", str(runs), "--embed-summary", str(bare)]) == 2
+    assert "summary: begin" in capsys.readouterr().err and bare.read_text() == "no markers\n"
+
+
 def test_runs_trained_per_task_count_once_per_seed_and_average_over_tasks():
     recs = [record("lora", 42, 0.70, 0.30), record("lora", 43, 0.74, 0.34)]
     split = []

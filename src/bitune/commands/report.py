@@ -4,11 +4,12 @@ paired differences (:mod:`bitune.eval.report`), written as Markdown, CSV and a f
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from ..errors import BituneError
-from ..eval.report import EMBED_BEGIN, build_markdown, embed_report, find_results, load_records, plot_accuracy, \
-    print_report, title_of, write_report
+from ..eval.report import EMBED_BEGIN, EMBED_END, SUMMARY_BEGIN, SUMMARY_END, analyse, build_markdown, \
+    build_summary, embed_report, find_results, load_records, plot_accuracy, print_report, title_of, write_report
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 
@@ -34,6 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embed", action="append", default=[], metavar="FILE.md",
                         help="also write the report into this Markdown file, between its 'bitune report: begin' "
                              "and 'end' marker lines (repeatable)")
+    parser.add_argument("--embed-summary", action="append", default=[], metavar="FILE.md",
+                        help="write a short form (accuracies with intervals next to the best trivial baseline, "
+                             "Bitune minus each baseline with its two-level interval and Holm p) into this Markdown "
+                             "file, between its 'bitune report summary: begin' and 'end' marker lines (repeatable)")
 
 
 
@@ -52,19 +57,26 @@ def run(args: argparse.Namespace) -> int:
     if len(limits) > 1:
         print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
-    report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines)
+    analysis = analyse(records, args.metric, args.gsm8k_metric, baselines)
+    report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines, analysis)
     print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
     paired = markdown.find("\n## ", markdown.find("## ") + 3)
     if paired >= 0:
         print(markdown[paired + 1:])
-    for document in args.embed:  # checked before anything is written
-        if not Path(document).is_file() or EMBED_BEGIN not in Path(document).read_text(encoding="utf-8"):
-            embed_report(Path(document), markdown)  # raises the error naming what is missing
+    embeds = [(Path(d), markdown, EMBED_BEGIN, EMBED_END, "--embed") for d in args.embed]
+    for d in args.embed_summary:  # the full report linked relative to the document that shows the summary
+        full = Path(os.path.relpath(output / "report.md", Path(d).resolve().parent)).as_posix()
+        summary = build_summary(analysis, args.metric, args.gsm8k_metric, source=f"[{full}]({full})")
+        embeds.append((Path(d), summary, SUMMARY_BEGIN, SUMMARY_END, "--embed-summary"))
+    for document, text, begin, end, option in embeds:  # checked before anything is written
+        if not document.is_file() or begin not in document.read_text(encoding="utf-8") \
+                or end not in document.read_text(encoding="utf-8"):
+            embed_report(document, text, begin, end, option)  # raises the error naming what is missing
     md, cs = write_report(report, output, markdown)
     print(f"bitune report: wrote {md} and {cs}")
-    for document in args.embed:
-        embed_report(Path(document), markdown)
-        print(f"bitune report: updated the report in {document}")
+    for document, text, begin, end, option in embeds:
+        embed_report(document, text, begin, end, option)
+        print(f"bitune report: updated the {'summary' if option == '--embed-summary' else 'report'} in {document}")
     if tasks and not args.no_figure:
         figure = plot_accuracy(tasks, args.metric, output / "report.png")
         if figure is not None:
