@@ -162,9 +162,10 @@ def test_num_processes_is_refused_inside_a_launched_job(monkeypatch):
         launch(2, ["train"])
 
 
-def test_launch_command_reruns_the_same_arguments():
+def test_launch_args_rerun_the_same_arguments():
     from bitune.cli import build_parser
-    from bitune.commands.train import launch_command, train_argv
+    from bitune.commands.launcher import launch_args
+    from bitune.commands.train import train_argv
 
     argv = ["train", "--config", "a.yaml", "--set", "lr=1e-3", "--num-processes", "4", "--resume"]
     sys_argv = sys.argv
@@ -173,9 +174,48 @@ def test_launch_command_reruns_the_same_arguments():
         args = build_parser().parse_args(argv)
     finally:
         sys.argv = sys_argv
-    cmd = launch_command(args.num_processes, train_argv(args))
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "bitune.cli",
-                       "train", "--config", "a.yaml", "--set", "lr=1e-3", "--resume"]
+    cmd = launch_args(args.num_processes, train_argv(args), "/tmp/logs")
+    assert cmd == ["--standalone", "--nproc_per_node=4", "--log-dir", "/tmp/logs", "--redirects", "1:3,2:3,3:3",
+                   "-m", "bitune.cli", "train", "--config", "a.yaml", "--set", "lr=1e-3", "--resume"]
+
+
+def _rank_log(logs, rank, text):
+    folder = logs / "run-id" / "attempt_0" / str(rank)
+    folder.mkdir(parents=True)
+    (folder / "stderr.log").write_text(text)
+
+
+def test_a_launched_user_error_is_shown_once(tmp_path, capsys):
+    """Every rank hits the same bad setting: rank 0 prints it (live), the others' copies stay in their logs; when
+    rank 0 was only stopped by the launcher, the others' error is shown, once; a crash shows the end of its output."""
+    from bitune.commands.launcher import report_failure
+
+    line = "bitune train: error: model folder ./nope does not exist"
+    for rank in (1, 2):
+        _rank_log(tmp_path, rank, f"loading\n{line}\n")
+    assert report_failure({0: -15, 1: 2, 2: 2}, tmp_path) == 2  # rank 0 stopped (SIGTERM) before it printed
+    assert capsys.readouterr().err == line + "\n"
+    (tmp_path / "error-0.txt").write_text(line + "\n")  # rank 0 printed it (then was stopped, or exited 2)
+    for rank0 in (2, -15):
+        assert report_failure({0: rank0, 1: 2, 2: 2}, tmp_path) == 2
+        assert capsys.readouterr().err == ""
+    _rank_log(tmp_path, 3, "Traceback (most recent call last):\nRuntimeError: boom\n")
+    assert report_failure({0: -15, 3: 1}, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "process 3 failed (exit status 1)" in err and "RuntimeError: boom" in err
+
+
+@pytest.mark.slow
+def test_cli_num_processes_user_error_is_one_line_exit_2(tmp_path):
+    """A bad setting that only the launched processes find: one error line, exit status 2, no launcher traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bitune.cli", "train", "--num-processes", "2", "--set", f"model={tmp_path}/nope",
+           "--set", f"output_dir={tmp_path / 'run'}", "--set", "steps=1"]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 2, job.stderr
+    lines = [x for x in job.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("bitune train: error: model folder") and "nope" in lines[0], \
+        job.stderr
 
 
 @pytest.mark.parametrize("name, kind", [("ddp", "MULTI_GPU"), ("fsdp", "FSDP")])
@@ -196,3 +236,18 @@ def test_accelerate_configs_parse(name, kind):
         assert env["FSDP_RESHARD_AFTER_FORWARD"] == "true" and env["FSDP_OFFLOAD_PARAMS"] == "false"
     else:
         assert args.multi_gpu and "ACCELERATE_USE_FSDP" not in env
+
+
+@pytest.mark.parametrize("value, expected", [(None, 1), ("1", 1), ("4", 4), ("0", None), ("x", None), ("-2", None)])
+def test_world_size_reads_the_launchers_variable(monkeypatch, value, expected):
+    from bitune.processes import world_size
+
+    if value is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", value)
+    if expected is None:
+        with pytest.raises(BituneError, match="WORLD_SIZE"):
+            world_size()
+    else:
+        assert world_size() == expected

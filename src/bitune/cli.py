@@ -11,11 +11,17 @@ one line pointing at ``--debug`` (which shows the traceback) and exits with stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+from pathlib import Path
 
 from .commands.options import ArgumentParser, HelpFormatter
 from .errors import BituneError
+
+ERROR_DIR_ENV = "BITUNE_LAUNCH_ERRORS"
+"""Set by the ``--num-processes`` launcher: the folder where each launched process leaves its error line."""
 
 VERBS: dict[str, tuple[str, str]] = {
     "quickstart": ("bitune.commands.quickstart",
@@ -74,6 +80,16 @@ def error_line(e: BaseException) -> str:
     return " ".join(text.split())
 
 
+def report_error(line: str) -> None:
+    """Print the one error line; in a job started by ``--num-processes``, also leave it where the launcher reads
+    what each process printed (:mod:`bitune.commands.launcher` shows every error once)."""
+    print(line, file=sys.stderr)
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"error-{os.environ.get('RANK', '0')}.txt").write_text(line + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     end = argv.index("--") if "--" in argv else len(argv)
@@ -95,13 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # BituneError and UnicodeError are ValueErrors
         if args.debug:
             raise
-        print(f"bitune {args.verb}: error: {error_line(e)}", file=sys.stderr)
+        report_error(f"bitune {args.verb}: error: {error_line(e)}")
         return 2
     except Exception as e:
         if args.debug:
             raise
-        print(f"bitune {args.verb}: error: unexpected {type(e).__name__}: {error_line(e)} "
-              f"(run with --debug for the traceback)", file=sys.stderr)
+        report_error(f"bitune {args.verb}: error: unexpected {type(e).__name__}: {error_line(e)} "
+                     f"(run with --debug for the traceback)")
         return 1
 
 

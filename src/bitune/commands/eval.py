@@ -82,13 +82,12 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(out, "--output", keep=tuple(("a file of the checkpoint", p) for p in ckpt_files
                                                       if p.name != RESULT_FILE))
     if args.num_processes > 1:
-        from .train import launch
+        from .launcher import launch
 
         check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
         status = launch(args.num_processes, eval_argv(args))
         if status:
-            raise BituneError(f"the {args.num_processes} evaluation processes failed (exit status {status}); "
-                              "their errors are above")
+            return status  # each process's error is shown once, above
     else:
         evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                      limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,

@@ -4,9 +4,6 @@ or a baseline, in one process or data-parallel in N (re-launched through ``torch
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 
 from .. import config
 from ..config import BituneConfig
@@ -14,7 +11,9 @@ from ..data.datasets import DATASETS
 from ..errors import BituneError
 from ..files import check_output_dir
 from ..hub import BUILTIN_MODELS
+from ..processes import check_fsdp_processes, world_size
 from ..train.settings import TrainSettings, field_docs, load_settings
+from .launcher import launch
 from .options import HelpFormatter, add_threads_option
 
 HELP = "train a Bitune model or a baseline from a YAML config"
@@ -91,11 +90,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.num_processes < 1:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if settings.fsdp:
+        check_fsdp_processes(max(args.num_processes, world_size()))
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
-    if settings.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        raise BituneError("fsdp shards over several processes; this run has one: add --num-processes N, or run "
-                          "under torchrun or accelerate launch")
     from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
 
     train(settings, resume=args.resume, overwrite=args.overwrite)  # takes the run folder first (start_run)
@@ -114,32 +112,4 @@ def train_argv(args: argparse.Namespace) -> list[str]:
     if args.fsdp:
         argv += ["--fsdp"]
     return argv + (["--resume"] if args.resume else []) + (["--overwrite"] if args.overwrite else [])
-
-
-def launch_command(num_processes: int, argv: list[str]) -> list[str]:
-    """``python -m torch.distributed.run`` starting ``num_processes`` copies of ``python -m bitune.cli ARGV``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}",
-            "-m", "bitune.cli", *argv]
-
-
-def launch(num_processes: int, argv: list[str]) -> int:
-    """Run ``bitune ARGV`` data-parallel in ``num_processes`` local processes; returns the launcher's exit status.
-
-    On GPUs each process takes one device (nccl); on CPU the processes talk over gloo and share the cores
-    (``OMP_NUM_THREADS`` = cores / processes unless set).
-    """
-    import torch  # here, not at the top: help and settings validation do not load torch
-
-    from ..train.trainer import world_size
-
-    if world_size() > 1:
-        raise BituneError(f"--num-processes: already running in a launched job (WORLD_SIZE={world_size()}); "
-                          "drop --num-processes under torchrun or accelerate launch")
-    env = dict(os.environ)
-    if torch.cuda.is_available():
-        if num_processes > torch.cuda.device_count():
-            raise BituneError(f"--num-processes {num_processes}: only {torch.cuda.device_count()} GPU(s) visible")
-    else:
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))
-    return subprocess.call(launch_command(num_processes, argv), env=env)
 

@@ -28,6 +28,7 @@ from rich.table import Table
 from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import write_text_atomic
+from ..processes import world_size
 from ..provenance import source_commit, versions
 from ..generation import pick_template
 from . import RESULT_FILE, SCHEMA
@@ -189,7 +190,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     if template not in (None, "paper", "chat"):
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one GPU per launched process
+    if device == "cuda" and world_size() > 1:  # one GPU per launched process
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     t0 = time.perf_counter()
     model, tokenizer = load_bitune(checkpoint, model_name, base, dtype, device, prompt_passes, merge=merge)

@@ -28,7 +28,6 @@ checkpoint=DIR --tasks bitune_piqa --include_path $(python -m bitune.eval.tasks)
 from __future__ import annotations
 
 import functools
-import os
 from collections import defaultdict
 
 import torch
@@ -44,6 +43,7 @@ from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..model import BituneModel, token_logprobs
 from ..passes import Prefill
+from ..processes import world_size
 from ..scoring import score_continuations
 
 Request = tuple[tuple[str, str], list[int], list[int]]
@@ -93,7 +93,7 @@ class BituneLM(TemplateLM):
         ``WORLD_SIZE`` > 1), join their process group (gloo on CPU, nccl on GPUs) and take this process's rank:
         lm-eval's evaluator then gives each process every N-th question and gathers the results on rank 0, as
         for its own ``hf`` model."""
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if world_size() <= 1:
             return
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self._device.type == "cuda" else "gloo")

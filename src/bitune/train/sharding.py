@@ -39,6 +39,7 @@ from torch import nn
 
 from ..errors import BituneError
 from ..model import BituneModel
+from ..processes import check_fsdp_processes
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,7 @@ def shard(model: BituneModel, bf16: bool, reshard_after_forward: bool | None = N
         layers = model.decoder_layers()
     except BituneError as e:
         raise BituneError(f"fsdp: cannot shard this model: {e}") from e
-    if not dist.is_initialized():
-        raise BituneError("fsdp: no process group; FSDP shards over several processes: run with --num-processes "
-                          "N, torchrun or accelerate launch")
+    check_fsdp_processes(dist.get_world_size() if dist.is_initialized() else 1)
     device = next(model.parameters()).device
     mesh = init_device_mesh("cuda" if device.type == "cuda" else "cpu", (dist.get_world_size(),))  # or meta
     fp32 = MixedPrecisionPolicy()

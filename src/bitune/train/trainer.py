@@ -40,6 +40,7 @@ from ..data.sampling import LengthGroupedSampler, RepeatedPrefix, ShuffledSample
 from ..errors import BituneError
 from ..model import BituneModel
 from ..modelcard import Training
+from ..processes import check_fsdp_processes
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from . import sharding
 from .logger import JsonlLogger
@@ -87,9 +88,8 @@ class BituneTrainer:
         self.bf16 = bf16
         self.accelerator = Accelerator(cpu=use_cpu, mixed_precision="bf16" if bf16 and not self.fsdp else "no",
                                        kwargs_handlers=[ddp_kwargs()])
-        if self.fsdp and self.accelerator.num_processes < 2:
-            raise BituneError("fsdp shards over several processes; this run has one: use --num-processes N, "
-                              "torchrun or accelerate launch")
+        if self.fsdp:
+            check_fsdp_processes(self.accelerator.num_processes)
         if settings.gradient_checkpointing or fsdp.checkpointing:
             model.enable_checkpointing()
         self.model = model
@@ -438,10 +438,6 @@ def _progress(total: int, start: int, disable: bool):
     """A tqdm bar over the optimizer steps (time left; the latest loss as a postfix)."""
     return tqdm(total=total, initial=start, disable=disable, dynamic_ncols=True)
 
-
-def world_size() -> int:
-    """Processes of this job, as the launcher (``torchrun``, ``accelerate launch``) set them; 1 when not launched."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def resolve_bf16(setting: str) -> tuple[bool, bool]:
