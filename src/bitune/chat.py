@@ -36,16 +36,25 @@ class Conversation:
     Args:
         model: the model.
         tokenizer: its tokenizer.
-        mode: ``"recompute"`` or ``"alternating"`` (see the module docstring).
+        mode: ``"recompute"`` (default) or ``"alternating"`` (see the module docstring).
         template: ``"auto"`` (:func:`bitune.generation.pick_template`: the template the checkpoint was trained with;
             for a base model its chat template if it has one, else ``"paper"``), ``"chat"`` or ``"paper"``.
-        max_new_tokens: cap on tokens per answer. Default 128.
-        stop: extra stop strings.
-        stream: print each answer to stdout as it is produced.
-        sampling: transformers ``generate`` options (``do_sample``, ``temperature``, ``top_p``, ...).
+        max_new_tokens: cap on tokens per answer (lowered where the conversation nears the model's maximum
+            position). Default 128.
+        stop: extra stop strings (the paper template adds ``Question:``).
+        stream: print each answer to stdout as it is produced. Default False.
+        **sampling: transformers ``generate`` options (``do_sample``, ``temperature``, ``top_p``, ...).
 
     Attributes:
         history: the turns so far, ``[{"role": "user" | "assistant", "content": str}, ...]``.
+        mode (str): ``"recompute"`` or ``"alternating"``.
+        template (str): the template the conversation is written with, ``"chat"`` or ``"paper"``.
+        why (str): why that template (for the line ``bitune chat`` prints).
+
+    Raises:
+        BituneError: ``mode`` or ``template`` is not one of the choices; ``"chat"`` for a tokenizer without a
+            chat template; ``"auto"`` for a checkpoint trained on verbatim prompts (template ``none``); the
+            tokenizer has no eos token to end answers with.
     """
 
     def __init__(self, model, tokenizer, mode: str = "recompute", template: str = "auto",
@@ -74,18 +83,34 @@ class Conversation:
 
     @property
     def state(self):
-        """Alternating mode: the model's :class:`~bitune.model.Prefill` of the conversation so far (None before
-        the first turn and in recompute mode). Its ``ids`` plus ``last_token`` are every token read or written."""
+        """Alternating mode: the model's :class:`~bitune.passes.Prefill` of the conversation so far, one row (None
+        before the first turn and in recompute mode). Its ``ids`` plus ``last_token`` are every token read or
+        written."""
         return self._state
 
     def reset(self) -> None:
-        """Forget the conversation."""
+        """Forget the conversation: the history and, in alternating mode, its cache."""
         self.history = []
         self._state = None  # alternating mode: the model's cache of the conversation so far
         self._tail = ""  # text the model generated after its last answer (e.g. the eos), already in the cache
 
     def say(self, text: str) -> str:
-        """Add a user turn, generate the answer, add it to the history and return it."""
+        """Add a user turn, generate the answer, add it to the history and return it.
+
+        Args:
+            text: the user's message.
+
+        Returns:
+            The answer text: what the model generated before the first stop marker (eos, end of turn, a stop
+                string), stripped.
+
+        Raises:
+            BituneError: the conversation (with this turn) fills the model's positions (:meth:`reset` clears it);
+                the rendered prompt or, in alternating mode, the new turn is shorter than 2 tokens; in alternating
+                mode, the chat template changes earlier answers' text (use ``"recompute"``).
+            ValueError: in alternating mode, a model with sliding-window layers would read a conversation as
+                long as its window (use ``"recompute"``).
+        """
         messages = [*self.history, {"role": "user", "content": text}]
         if self._state is None:
             rendered = self.render(messages)
@@ -107,14 +132,31 @@ class Conversation:
         return answer
 
     def save(self, path: str | Path) -> None:
-        """Write the conversation as JSON: ``{"mode", "template", "messages": history}``."""
+        """Write the conversation as JSON: ``{"mode", "template", "messages": history}``, atomically (a temporary
+        file renamed into place; the folder is created).
+
+        Args:
+            path: the JSON file to write (replaced if it exists).
+
+        Raises:
+            BituneError: ``path`` is a folder, or cannot be written (permission denied, a parent is a file).
+        """
         record = {"mode": self.mode, "template": self.template, "messages": self.history}
         write_text_atomic(Path(path), json.dumps(record, indent=2, ensure_ascii=False) + "\n")
 
     # ------------------------------------------------------------------------------------------- rendering
     def render(self, messages: list[dict[str, str]]) -> str:
-        """The text of ``messages`` (:func:`bitune.generation.render_messages`); ending with a user turn, it ends
-        with the prompt for the answer."""
+        """The text of ``messages`` in this conversation's template (:func:`bitune.generation.render_messages`).
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+
+        Returns:
+            The text; ending with a user turn, it ends with the prompt for the answer.
+
+        Raises:
+            BituneError: with the paper template, an assistant message before any user message.
+        """
         return render_messages(self.tokenizer, messages, self.template)[0]
 
     def _new_turn_ids(self, messages: list[dict[str, str]]) -> list[int]:

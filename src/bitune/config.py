@@ -50,10 +50,14 @@ other methods always run sequentially."""
 
 @dataclass
 class BituneConfig:
-    """How a pretrained causal LM is turned into a Bitune model.
+    """How a pretrained causal LM is turned into a Bitune model: what a checkpoint saves.
 
-    Every field is validated on construction; an invalid value raises a ``ValueError`` that
-    names the field and the allowed values.
+    Every field is validated on construction; the variant's passes and weight sets are derived from it
+    (:attr:`passes`, :attr:`weight_sets`).
+
+    Raises:
+        ValueError: a field has an invalid value (the message names the field and the allowed values), or
+            ``method`` is not ``"lora"`` for the ``pretrained`` variant, which trains nothing.
     """
 
     variant: str = "bitune"
@@ -61,17 +65,20 @@ class BituneConfig:
     method: str = "lora"
     """How weights are trained: one of ``METHODS``."""
     rank: int = 8
-    """LoRA / DoRA rank (16 gives the paper's LoRA16 baseline)."""
+    """LoRA / DoRA rank, a positive integer (16 gives the paper's LoRA16 baseline)."""
     lora_alpha: float = 1.0
-    """LoRA scaling numerator; the authors use 1 (scaling 1/rank)."""
+    """LoRA scaling numerator, > 0; the authors use 1 (scaling 1/rank)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input."""
+    """Dropout probability on the LoRA input, in [0, 1)."""
     target_modules: list[str] | str = "all-linear"
-    """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a list of names."""
+    """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a non-empty
+    list of module names."""
     theta_init: float = 0.01
-    """Initial value of every mixing parameter theta; the mixing ratio a = |theta| / (theta_init + |theta|) starts at 0.5."""
+    """Initial value of every mixing parameter theta, > 0; the mixing ratio a = |theta| / (theta_init + |theta|)
+    starts at 0.5."""
     base_model: str | None = None
-    """Name or path of the base model, recorded so a checkpoint can reload its base by itself."""
+    """Name or path of the base model, recorded so a checkpoint can reload its base by itself; None: not
+    recorded (the base must then be given when loading)."""
     template: str | None = None
     """Prompt template the model was trained with (one of ``TEMPLATES``), recorded by ``bitune train`` from the
     data's format so generate, chat and eval use it by default; none: not recorded (a checkpoint written before
@@ -139,14 +146,26 @@ class BituneConfig:
         return self.variant in ("lora", "pretrained")
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict, the inverse of :meth:`from_dict`."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
+        """The fields as indented JSON with sorted keys: the ``bitune_config.json`` of a checkpoint."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BituneConfig":
-        """Build from a dict, rejecting unknown keys by name."""
+        """Build from a dict (as :meth:`to_dict` writes it), rejecting unknown keys by name.
+
+        Args:
+            data: field names and values; missing fields take their defaults.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: ``data`` has a key that is not a field, or a field has an invalid value.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

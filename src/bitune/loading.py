@@ -4,6 +4,7 @@ as the ``pretrained`` variant, with its tokenizer."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,24 +14,40 @@ from .errors import BituneError
 from .hub import check_dtype, load_model, resolve_device
 from .model import BituneModel
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
                 dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto",
-                merge: bool = True):
+                merge: bool = True) -> tuple[BituneModel, PreTrainedTokenizerBase]:
     """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
+
+    Give exactly one of ``checkpoint`` and ``model``.
 
     Args:
         checkpoint: a folder written by :meth:`BituneModel.save_pretrained`.
-        model: a base model name or folder (instead of ``checkpoint``).
+        model: a base model name or folder (instead of ``checkpoint``): a built-in name, a local folder or a hub
+            id (:func:`bitune.hub.load_model`).
         base: with ``checkpoint``, the base model to load instead of the one the checkpoint records.
-        dtype: parameter dtype. Default float32.
-        device: torch device; default cuda if available, else cpu.
+        dtype: parameter dtype, a ``torch.dtype`` or its name (``float32``, ``bfloat16``, ``float16``). Default
+            float32.
+        device: torch device (``cpu``, ``cuda``, ``cuda:1``, ``mps``); default cuda if available, else cpu.
         prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
-        merge: merge the causal weights into the base weights for inference (:meth:`BituneModel.merge`: decoding
-            at the base model's speed); ``False`` keeps PEFT's unmerged adapter layers.
+            Default ``"auto"``.
+        merge: merge the causal weights into the base weights for inference (:meth:`BituneModel.merge`: the causal
+            passes and decoding run the base model's own linear layers); ``False`` keeps PEFT's unmerged adapter
+            layers. Default True.
 
     Returns:
-        ``(BituneModel, tokenizer)`` in eval mode on ``device``; the tokenizer pads on the left.
+        model: The :class:`BituneModel` in eval mode on ``device``; a base model is the ``pretrained`` variant.
+        tokenizer: Its tokenizer, padding on the left.
+
+    Raises:
+        BituneError: both or neither of ``checkpoint`` and ``model`` given; ``prompt_passes``, ``dtype`` or
+            ``device`` not valid (or the device not on this machine); the checkpoint records no base model and
+            ``base`` is not given; the base model cannot be loaded.
+        ValueError: ``checkpoint`` is not a Bitune checkpoint, or its weights do not match the base model.
     """
     if (checkpoint is None) == (model is None):
         raise BituneError("give exactly one of a checkpoint folder or a base model name")

@@ -26,6 +26,7 @@ import copy
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from .passes import Prefill, continue_conversation, read_pass, read_passes_batch
 
 @dataclass
 class BituneOutput:
-    """Result of a forward.
+    """Result of :meth:`BituneModel.forward` for B examples with answers of up to A tokens, vocabulary size V.
 
     Attributes:
         loss: the training loss (scalar), the **example mean**: the mean over the B examples of each example's
@@ -71,7 +72,26 @@ class BituneOutput:
 
 
 class BituneModel(nn.Module):
-    """A pretrained causal LM turned into a Bitune model. Build with :meth:`wrap` or :meth:`from_pretrained`."""
+    """A pretrained causal LM turned into a Bitune model. Build with :meth:`wrap` or :meth:`from_pretrained`.
+
+    Args:
+        model: a decoder-only transformers causal LM, not yet wrapped by PEFT. It is changed in place: its
+            parameters are frozen (trained again with ``method="full"``) and the weight sets' adapters added.
+        config: the variant, the training method and their settings.
+        prompt_passes: how the passes run, one of ``PROMPT_PASSES`` (a runtime choice, see :attr:`prompt_passes`).
+
+    Attributes:
+        config (BituneConfig): the variant, method and settings (what a checkpoint saves).
+        weights (WeightSets): the weight sets (:mod:`bitune.adapters`); ``weights.base`` is the transformers model.
+        mixer (Mixer | None): the per-layer mixing coefficients (:mod:`bitune.mixer`); None for variants without
+            mixing.
+        num_layers (int): the number of decoder layers, L.
+
+    Raises:
+        ValueError: ``model`` is not a decoder-only transformers causal LM (no ``config`` or ``generate``, an
+            encoder-decoder, no ``num_hidden_layers``), is a ``PeftModel`` already, cannot take the config's
+            adapters, or keeps no per-layer KV cache; ``prompt_passes`` is not one of ``PROMPT_PASSES``.
+    """
 
     def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
@@ -87,13 +107,25 @@ class BituneModel(nn.Module):
     @classmethod
     def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
              merge: bool = False) -> "BituneModel":
-        """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``); the default config is Bitune + LoRA r8.
+        """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``) as a Bitune model.
 
         Args:
+            model: a decoder-only transformers causal LM, not yet wrapped by PEFT. It is changed in place: its
+                parameters are frozen (trained again with ``method="full"``) and the weight sets' adapters added.
+            config: the variant, the training method and their settings; default ``BituneConfig()``: Bitune with
+                LoRA rank 8.
             prompt_passes: how the passes run, one of ``PROMPT_PASSES`` (a runtime choice: not saved, and every
-                choice computes the same numbers).
+                choice computes the same numbers). Default ``"auto"``.
             merge: merge the causal weights for inference at once (:meth:`merge`); off by default, since a
                 freshly wrapped model is usually trained next.
+
+        Returns:
+            The new model.
+
+        Raises:
+            ValueError: ``model`` is not a decoder-only transformers causal LM (no ``config`` or ``generate``, an
+                encoder-decoder, no ``num_hidden_layers``), is a ``PeftModel`` already, cannot take the config's
+                adapters, or keeps no per-layer KV cache; ``prompt_passes`` is not one of ``PROMPT_PASSES``.
         """
         model = cls(model, config or BituneConfig(), prompt_passes)
         if merge:
@@ -102,7 +134,11 @@ class BituneModel(nn.Module):
 
     @property
     def prompt_passes(self) -> str:
-        """How the passes run (one of ``PROMPT_PASSES``); may be changed at any time, see :meth:`execution`."""
+        """How the passes run (one of ``PROMPT_PASSES``); may be changed at any time, see :meth:`execution`.
+
+        Raises:
+            ValueError: set to a value that is not one of ``PROMPT_PASSES``.
+        """
         return self._prompt_passes
 
     @prompt_passes.setter
@@ -137,7 +173,13 @@ class BituneModel(nn.Module):
 
     # ----------------------------------------------------------------------------------------------- parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
-        """Every parameter this variant trains, by name: its weight sets and the mixing thetas."""
+        """Every parameter this variant trains: its weight sets and the mixing thetas.
+
+        Returns:
+            The parameters that require a gradient, by name: ``"causal:<name>"`` and ``"bidir:<name>"`` (PEFT's
+                parameter names, or the model's with ``method="full"``), ``"mixer:theta_k"`` and
+                ``"mixer:theta_v"`` (each (L,)); empty for ``pretrained``.
+        """
         params = {}
         for name in self.config.weight_sets:
             params.update({f"{name}:{k}": p for k, p in self.weights.parameters_of(name).items() if p.requires_grad})
@@ -160,24 +202,39 @@ class BituneModel(nn.Module):
         return self.weights.merged
 
     def merge(self) -> "BituneModel":
-        """Merge the causal weight set into the base weights, in place, for inference: the causal prompt pass,
-        the answer pass and every decoding step run the base model's own linear layers (its speed); only the
-        bidirectional prompt pass adds the difference to the bidir set (LoRA: a rank-2r product of the factors
-        held anyway; DoRA, IA3: one merged copy of the weights the bidir set touches). Generation, scoring and
-        every inference path give the unmerged model's numbers to float rounding. A merged model does not
-        train: :meth:`unmerge` first (trainers do it). Returns the model."""
+        """Merge the causal weight set into the base weights, in place, for inference.
+
+        The causal prompt pass, the answer pass and every decoding step then run the base model's own linear
+        layers; only the bidirectional prompt pass adds the difference to the bidir set (LoRA: a rank-2r product
+        of the factors held anyway; DoRA, IA3: one merged copy of the weights the bidir set touches). Generation,
+        scoring and every inference path give the unmerged model's numbers to float rounding. A merged model does
+        not train: :meth:`unmerge` first (trainers do it). A no-op when merged already, or when there is nothing
+        to merge (``method="full"``, ``pretrained``).
+
+        Returns:
+            The model itself.
+        """
         self.weights.merge()
         return self
 
     def unmerge(self) -> "BituneModel":
-        """Undo :meth:`merge` (the base weights come back to within float rounding of one add and one subtract;
-        a model that is trained after inference and must match training alone bit for bit is never merged:
-        ``merge=False``). Returns the model."""
+        """Undo :meth:`merge`, in place; a no-op when not merged.
+
+        The base weights come back to within float rounding of one add and one subtract: a model that is trained
+        after inference and must match training alone bit for bit is never merged (``merge=False``).
+
+        Returns:
+            The model itself.
+        """
         self.weights.unmerge()
         return self
 
     def mixing_ratios(self) -> dict[str, torch.Tensor]:
-        """Per-layer a_k and a_v, each (L,) float32; empty for variants without mixing."""
+        """The current mixing ratios a_k and a_v of every layer (paper eq. 6-7).
+
+        Returns:
+            ``{"k": a_k, "v": a_v}``, each (L,) float32 and detached; empty for variants without mixing.
+        """
         return self.mixer.ratios() if self.mixer is not None else {}
 
     def _probe(self) -> None:
@@ -258,11 +315,22 @@ class BituneModel(nn.Module):
         """Read a batch of left-padded prompts: prompt passes over all but the last token, then mixing.
 
         Args:
-            prompt_ids: (B, P) left-padded token ids, every prompt at least 2 tokens.
-            prompt_mask: (B, P) 1 for real tokens.
-            past: a conversation so far (from ``generate(..., return_state=True)``); the new prompt is read on
-                top of it with both passes (the paper's "alternating" multi-turn mode, A.8) after the token
-                that ended the previous answer.
+            prompt_ids: (B, P) left-padded token ids, every prompt at least 2 real tokens.
+            prompt_mask: (B, P) 1 for real tokens, 0 for padding.
+            past: a conversation so far, B rows (from ``generate(..., return_state=True)``); the new prompt is read
+                on top of it with both passes (the paper's "alternating" multi-turn mode, A.8) after the token
+                that ended the previous answer. Default None: a fresh prompt.
+
+        Returns:
+            The prefill: the mixed cache of the P - 1 tokens read, their (B, P - 1) ``ids`` and ``mask`` (with
+                ``past``: (B, T + P), the conversation's T tokens, its last token and the new ones), and the
+                prompts' last tokens (B, 1) as ``last_token``, which the answer pass reads first.
+
+        Raises:
+            ValueError: the prompts are not (B, P) and left-padded with at least 2 real tokens each, a token id
+                is not an integer in the vocabulary, ``past`` holds another number of rows, a model with
+                sliding-window layers would read a conversation as long as its window, or transformers' gradient
+                checkpointing is on in training.
         """
         check_prompt(prompt_ids, prompt_mask)
         check_ids(self.weights.base, prompt_ids)
@@ -278,10 +346,19 @@ class BituneModel(nn.Module):
 
     def answer_logits(self, prefill: Prefill, answer_ids: torch.Tensor, answer_mask: torch.Tensor,
                       reuse: bool = True) -> torch.Tensor:
-        """Causal answer pass on a prefill; returns (B, A, V) logits aligned with ``answer_ids``.
+        """Causal answer pass on a prefill, with the causal weights: the prompt's last token, then the answer.
+
+        The answers are not checked here (:meth:`forward` checks them).
 
         Args:
-            reuse: keep ``prefill`` intact (the pass extends a copy), so it can score more answers.
+            prefill: the prompts read (:meth:`prefill`), B rows.
+            answer_ids: (B, A) right-padded answer ids.
+            answer_mask: (B, A) 1 for real answer tokens, 0 for padding.
+            reuse: keep ``prefill`` intact (the pass extends a copy), so it can score more answers; ``False``
+                extends ``prefill.cache`` in place. Default True.
+
+        Returns:
+            (B, A, V) logits: ``logits[:, t]`` predicts ``answer_ids[:, t]``.
         """
         cache = kv.select_rows(prefill.cache, torch.arange(answer_ids.shape[0])) if reuse else prefill.cache
         ids = torch.cat([prefill.last_token, answer_ids[:, :-1]], dim=1)  # (B, A)
@@ -294,13 +371,26 @@ class BituneModel(nn.Module):
 
     def forward(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, answer_ids: torch.Tensor,
                 answer_mask: torch.Tensor) -> BituneOutput:
-        """Loss and logits of the answers given the prompts.
+        """Loss and logits of the answers given the prompts: the prompt passes, mixing and the answer pass.
+
+        The path is :meth:`forward_path`; every path computes the same numbers.
 
         Args:
             prompt_ids: (B, P) left-padded prompt ids (at least 2 real tokens each).
-            prompt_mask: (B, P) 1 for real prompt tokens.
+            prompt_mask: (B, P) 1 for real prompt tokens, 0 for padding.
             answer_ids: (B, A) right-padded answer ids, eos included (at least 1 real token each).
-            answer_mask: (B, A) 1 for real answer tokens.
+            answer_mask: (B, A) 1 for real answer tokens, 0 for padding.
+
+        Returns:
+            The loss (example mean), the (B, A, V) logits, the (B, A) token log-probabilities and the (B,)
+                per-example losses.
+
+        Raises:
+            ValueError: the prompts are not (B, P) and left-padded with at least 2 real tokens each; the answers
+                are not (B, A), one per prompt, right-padded with at least 1 real token each; a token id is not an
+                integer in the vocabulary; or transformers' gradient checkpointing is on in training
+                (:meth:`enable_checkpointing` is Bitune's own).
+            BituneError: the model is merged (:meth:`merge`) and asked to train (training mode, gradients on).
         """
         check_prompt(prompt_ids, prompt_mask)
         check_answer(prompt_ids, answer_ids, answer_mask)
@@ -338,26 +428,32 @@ class BituneModel(nn.Module):
                  past: Prefill | None = None, return_state: bool = False, **generate_kwargs):
         """Decode answers from the mixed prompt cache with transformers' ``generate``.
 
-        The prompt passes prefill the cache once; ``generate`` then feeds the prompt's last token and decodes
-        token by token with the causal weights, exactly as a plain model does. Greedy by default; sampling
-        options (``temperature``, ``top_p``, ``top_k``, ...), ``streamer`` and ``eos_token_id`` are passed on.
+        The prompt passes prefill the cache once (:meth:`prefill`); ``generate`` then feeds the prompt's last
+        token and decodes token by token with the causal weights, exactly as a plain model does.
 
         Args:
-            prompt_ids: (B, P) left-padded prompts.
-            prompt_mask: (B, P) 1 for real tokens.
-            max_new_tokens: upper bound on generated tokens; capped so that no row passes the model's maximum
-                position (``max_position_embeddings``; :func:`bitune.generation.max_new_tokens_for` says how
-                many fit, so a caller can tell the user).
-            tokenizer: needed for ``stop_strings``.
+            prompt_ids: (B, P) left-padded prompts, at least 2 real tokens each.
+            prompt_mask: (B, P) 1 for real tokens, 0 for padding.
+            max_new_tokens: upper bound on generated tokens (default 128); capped so that no row passes the
+                model's maximum position (``max_position_embeddings``; :func:`bitune.generation.max_new_tokens_for`
+                says how many fit, so a caller can tell the user).
+            do_sample: sample instead of greedy decoding (default False).
+            tokenizer: the model's tokenizer; needed for ``stop_strings``.
             stop_strings: stop a row once its text ends with one of these.
-            past: conversation state to continue (see :meth:`prefill`).
+            past: a conversation to continue, B rows (the state returned with ``return_state``; see
+                :meth:`prefill`). Default None: fresh prompts.
             return_state: also return the conversation state after this answer (answers stay causal in it).
+            **generate_kwargs: passed on to transformers' ``generate``: sampling options (``temperature``,
+                ``top_p``, ``top_k``, ...), ``streamer``, ``eos_token_id``, ``pad_token_id``, ...
 
         Returns:
-            (B, N) the generated tokens only, padded with the pad token after a row stops; with
-            ``return_state``, the pair (tokens, state).
+            (B, N) the generated tokens only, padded with the pad token after a row stops; with ``return_state``,
+                the pair ``(tokens, state)``, ``state`` a :class:`~bitune.passes.Prefill` to pass as ``past``.
 
         Raises:
+            ValueError: ``stop_strings`` without ``tokenizer``; the prompts are not (B, P) and left-padded with
+                at least 2 real tokens each; a token id is not an integer in the vocabulary; ``past`` holds
+                another number of rows, or is as long as the window of a model with sliding-window layers.
             BituneError: a prompt (with ``past``, the conversation) fills the model's positions already.
         """
         if stop_strings and tokenizer is None:
@@ -382,7 +478,7 @@ class BituneModel(nn.Module):
         return new, state
 
     @torch.no_grad()
-    def decode_step(self, state: Prefill, pick) -> Prefill:
+    def decode_step(self, state: Prefill, pick: Callable[[torch.Tensor], torch.Tensor]) -> Prefill:
         """One decoding step on a prefill, as ``generate`` runs it after :meth:`prefill`: the causal weights read
         each row's pending token (``state.last_token``) on top of the cache, and ``pick`` chooses the next one.
 
@@ -391,11 +487,12 @@ class BituneModel(nn.Module):
         place.
 
         Args:
-            state: the rows so far (from :meth:`prefill`, or the previous step).
-            pick: maps the (B, V) next-token logits to (B,) token ids (greedy: ``argmax(-1)``).
+            state: the rows so far, B of them (from :meth:`prefill`, or the previous step).
+            pick: maps the (B, V) next-token logits to (B,) token ids (greedy: ``lambda logits: logits.argmax(-1)``).
 
         Returns:
-            The state after the step: the pending tokens cached, the picked tokens pending.
+            The state after the step: the pending tokens cached (``ids`` and ``mask`` one position longer,
+                (B, T + 1)), the picked tokens pending as the (B, 1) ``last_token``.
         """
         mask = torch.cat([state.mask, torch.ones_like(state.last_token)], dim=1)  # (B, T+1)
         out = self.weights.call("causal", input_ids=state.last_token, attention_mask=mask,
@@ -408,8 +505,17 @@ class BituneModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None,
                         training: Training | None = None) -> None:
         """Save the trained state (adapters in PEFT's format, mixer, config) and a model card (``README.md``;
-        a user's own README there is kept); see :func:`bitune.checkpoint.save` (``tensors``: the weights to
-        write, e.g. gathered from a sharded model; ``training``: the run that saved it, for the card)."""
+        a user's own README there is kept); see :mod:`bitune.checkpoint` for the format.
+
+        The checkpoint is written into a temporary folder and renamed into place, so an existing one is never
+        left half-overwritten. How the passes run (``prompt_passes``) is not saved.
+
+        Args:
+            directory: the checkpoint folder (replaced if it exists; its parents are created).
+            tensors: the weights to write, named as :meth:`weight_tensors` names them (e.g. gathered from a
+                sharded model); default: the model's own.
+            training: the run that saved it, for the model card; default: none recorded.
+        """
         checkpoint.save(self, directory, tensors, training)
 
     @classmethod
@@ -419,14 +525,22 @@ class BituneModel(nn.Module):
 
         Args:
             directory: the checkpoint folder.
-            base: the base model instance, or its name/path; default: the ``base_model`` recorded in the config.
-            prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice).
+            base: the base model instance (changed in place, as by :meth:`wrap`), or its name/path; default: the
+                ``base_model`` recorded in the config.
+            prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice). Default
+                ``"auto"``.
             merge: merge the causal weights for inference after loading (:meth:`merge`; the checkpoint on disk is
-                unchanged); ``False`` keeps PEFT's unmerged layers (to train on, or to compare).
-            load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name.
+                unchanged); ``False`` keeps PEFT's unmerged layers (to train on, or to compare). Default True.
+            **load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name (``dtype``, ...).
 
         Returns:
             The model in eval mode (as transformers' ``from_pretrained``).
+
+        Raises:
+            ValueError: ``directory`` is not a Bitune checkpoint (no ``bitune_config.json``) or its config is
+                invalid; it records no base model and ``base`` is not given; a weight file is missing, corrupt,
+                holds NaN or infinite values, or does not match the model (every tensor must).
+            BituneError: the base model named cannot be loaded (:func:`bitune.hub.load_model`).
         """
         config = checkpoint.read_config(directory)
         if base is None or isinstance(base, str):
@@ -451,11 +565,11 @@ class BituneModel(nn.Module):
         before by float rounding: export a model you will train further from a fresh load).
 
         Args:
-            directory: the output folder (replaced if it exists).
-            tokenizer: also saved into the folder, when given.
+            directory: the output folder (replaced if it exists; its parents are created).
+            tokenizer: also saved into the folder, when given (default None).
 
         Returns:
-            The folder.
+            The folder, as a ``Path``.
 
         Raises:
             BituneError: the method is ``full`` (its causal set is a whole model already: ``bitune/causal``).

@@ -23,10 +23,14 @@ from .masks import concat_masks, pass_mask, position_ids
 class Prefill:
     """A prompt read by the prompt passes, ready for an answer pass (or the state of a conversation).
 
+    Made by :meth:`BituneModel.prefill`, extended by :meth:`BituneModel.decode_step` and returned by
+    ``BituneModel.generate(..., return_state=True)``. Rows are left-padded.
+
     Attributes:
-        cache: KV cache of the tokens read so far, mixed where the variant mixes.
+        cache: KV cache of the tokens read so far (a transformers cache; per layer, keys and values of shape
+            (B, n_kv_heads, T, head_dim)), mixed where the variant mixes.
         ids: (B, T) the token ids in the cache.
-        mask: (B, T) attention mask of the cached tokens.
+        mask: (B, T) attention mask of the cached tokens: 1 for real tokens, 0 for left padding.
         last_token: (B, 1) the token that opens the next answer pass (not yet in the cache).
     """
 
@@ -36,12 +40,26 @@ class Prefill:
     last_token: torch.Tensor
 
     def select(self, index: torch.Tensor) -> "Prefill":
-        """Rows ``index`` of this prefill, as an independent copy (the original can be reused)."""
+        """Rows ``index`` of this prefill, as an independent copy (the original can be reused).
+
+        Args:
+            index: (B',) integer tensor of the rows to take, in order (repeats allowed).
+
+        Returns:
+            A prefill of B' rows, its cache a new one.
+        """
         return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
 
     @staticmethod
     def concat(prefills: list["Prefill"]) -> "Prefill":
-        """The rows of several prefills as one (left padding extended to the longest; caches padded alike)."""
+        """The rows of several prefills as one (left padding extended to the longest; caches padded alike).
+
+        Args:
+            prefills: prefills of one model, each (B_j, T_j) rows.
+
+        Returns:
+            A prefill of sum(B_j) rows, in order, and max(T_j) positions; its cache a new one.
+        """
         T = max(p.ids.shape[1] for p in prefills)
 
         def left(x: torch.Tensor) -> torch.Tensor:  # (B, T_j) -> (B, T), zeros in front
@@ -51,8 +69,12 @@ class Prefill:
                        torch.cat([left(p.mask) for p in prefills]), torch.cat([p.last_token for p in prefills]))
 
     def trimmed(self) -> "Prefill":
-        """The same rows without the leading positions that are padding in every row (after rows left, say);
-        the cache is trimmed in place."""
+        """The same rows without the leading positions that are padding in every row (after rows left, say).
+
+        Returns:
+            This prefill when no position is padding in every row; else a new one of (B, T - n) ``ids`` and
+                ``mask`` that shares the cache, trimmed in place (this prefill is not to be used after).
+        """
         n = int(self.mask.any(0).long().argmax()) if self.mask.shape[1] else 0  # positions before any real token
         if n == 0:
             return self

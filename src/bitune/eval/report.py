@@ -228,12 +228,19 @@ def collect_runs(records: list[dict], metric: str = "acc",
                  gsm8k_metric: str = "exact_match_strict") -> tuple[dict[str, TaskRuns], list[str]]:
     """Per task, each method's per-question correctness (from the eval JSONs' ``samples``).
 
+    Args:
+        records: the runs' evaluation records (:func:`load_records`), one per method, seed and task set.
+        metric: the multiple-choice metric whose per-question values are read, ``acc`` or ``acc_norm``.
+        gsm8k_metric: GSM8K's metric.
+
     Returns:
-        ``(tasks, skipped)``: the tasks in report order, and the ``label/task`` of runs without per-question data.
+        tasks: The tasks in report order, each with its questions (sorted by ``doc_id``) and, per method in
+            report order, each run's seed and (runs, n) 0/1 correctness.
+        skipped: The ``label/task`` of runs without per-question data.
 
     Raises:
-        BituneError: two runs of a task cover different questions (another ``--limit``), or a run repeats a
-            method's seed.
+        BituneError: two runs of a task cover different questions (another ``--limit``) or disagree on a
+            correct answer, or a run repeats a method's seed.
     """
     tasks: dict[str, TaskRuns] = {}
     skipped: list[str] = []
@@ -436,8 +443,18 @@ class Trivial:
 
 
 def trivial_baselines(tr: TaskRuns) -> Trivial | None:
-    """Always-choice-k accuracies of a multiple-choice task from its correct answers and choice counts; None
-    when the runs stored neither (generation tasks)."""
+    """Always-choice-k accuracies of a multiple-choice task: what a model that reads nothing scores.
+
+    Args:
+        tr: one task's runs (:func:`collect_runs`), with the correct answers and the number of choices the runs
+            stored.
+
+    Returns:
+        The accuracy of always answering choice k, for k from 0 to the most choices a question has (wrong where
+            a question has fewer), and the best such k (the split's majority answer position); None when the
+            runs stored no correct answers or choice counts, or the answers are not choice indices (generation
+            tasks).
+    """
     if tr.gold is None or tr.choices is None or not all(isinstance(g, int) for g in tr.gold[1]):
         return None
     gold, choices = np.asarray(tr.gold[1]), np.asarray(tr.choices)
@@ -654,17 +671,31 @@ def analyse(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact
 def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict",
                    baselines: tuple[str, ...] = ("lora", "pretrained"),
                    analysis: Analysis | None = None) -> tuple[Report, str, dict[str, TaskRuns]]:
-    """The whole report: the paper's table, accuracy intervals and paired differences, as Markdown.
+    """The whole report as Markdown: the paper's table over seeds, accuracy intervals, trivial baselines, paired
+    differences (per task and pooled over tasks, Holm-adjusted) and wall times.
+
+    The accuracy intervals, trivial baselines, paired differences and pooled comparisons need the runs'
+    per-question data (``samples``): runs without it appear in the table over seeds only, listed at the end.
 
     Args:
-        records: the runs' evaluation records (:func:`load_records`).
+        records: the runs' evaluation records (:func:`load_records`): ``label``, ``tasks`` (metrics per task),
+            ``config`` (``train_seed``, ``limit``, ``model``, ``template``) and optionally ``samples``.
         metric: the multiple-choice metric, ``acc`` or ``acc_norm``.
         gsm8k_metric: GSM8K's metric.
-        baselines: methods every other method is compared with, question by question.
-        analysis: :func:`analyse` of the same records, when already computed.
+        baselines: methods every other method is compared with, question by question. Default LoRA and the
+            pretrained model.
+        analysis: :func:`analyse` of the same records, when already computed (then ``metric``, ``gsm8k_metric``
+            and ``baselines`` are not used for the statistics).
 
     Returns:
-        ``(report, markdown, tasks)``: the table over seeds, the report as Markdown, the per-question runs per task.
+        report: The table over seeds.
+        markdown: The report as Markdown.
+        tasks: The per-question runs per task (:func:`collect_runs`).
+
+    Raises:
+        BituneError: no records; the runs differ in base model, prompt template or ``--limit``; a run lacks
+            the metric or it is not a number; runs of a task cover different questions or disagree on a correct
+            answer; a method has two runs with one seed.
     """
     a = analysis or analyse(records, metric, gsm8k_metric, baselines)
     report, tasks, skipped = a.report, a.tasks, a.skipped

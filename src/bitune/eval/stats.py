@@ -1,4 +1,5 @@
-"""Statistics for comparing methods on the same questions: bootstrap intervals and the exact McNemar test.
+"""Statistics for comparing methods on the same questions (what ``bitune report`` shows): bootstrap intervals, a
+sign-flip permutation test, a t-test over seeds, the exact McNemar test and Holm's adjustment.
 
 Every method is scored on the same questions, so comparisons are **paired**: the per-question difference of two
 methods (each averaged over its seeds) is resampled over questions, which removes the between-question variance
@@ -30,10 +31,22 @@ class Interval:
     """A point estimate with a two-sided interval."""
 
     value: float
+    """The point estimate."""
     low: float
+    """The interval's lower end."""
     high: float
+    """The interval's upper end."""
 
     def text(self, scale: float = 100.0, digits: int = 1) -> str:
+        """``value [low, high]`` scaled (default: percent) with ``digits`` decimals, e.g. ``61.2 [58.3, 64.0]``.
+
+        Args:
+            scale: factor applied to the three numbers. Default 100.
+            digits: decimals shown. Default 1.
+
+        Returns:
+            The text.
+        """
         return f"{scale * self.value:.{digits}f} [{scale * self.low:.{digits}f}, {scale * self.high:.{digits}f}]"
 
 
@@ -44,9 +57,16 @@ def bootstrap_mean(values: np.ndarray, resamples: int = BOOTSTRAP, level: float 
     Args:
         values: (n,) one value per question: a 0/1 correctness, a seed-averaged correctness, or a paired
             difference of two methods on that question.
-        resamples: bootstrap resamples.
-        level: confidence level.
-        seed: resampling seed.
+        resamples: bootstrap resamples. Default ``BOOTSTRAP`` (10,000).
+        level: confidence level. Default ``LEVEL`` (0.95).
+        seed: resampling seed. Default ``SEED`` (0): the same values give the same interval.
+
+    Returns:
+        The mean of ``values`` with the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of the resampled
+            means.
+
+    Raises:
+        ValueError: ``values`` is empty.
     """
     values = np.asarray(values, dtype=np.float64)
     n = values.shape[0]
@@ -67,9 +87,18 @@ def bootstrap_mean(values: np.ndarray, resamples: int = BOOTSTRAP, level: float 
 def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> tuple[int, int, float]:
     """Exact (binomial) McNemar test of two 0/1 correctness vectors on the same questions.
 
+    Args:
+        a: (n,) correctness of one method (or one run) per question, 0/1 or bool.
+        b: (n,) correctness of the other on the same questions, in the same order.
+
     Returns:
-        ``(n_a, n_b, p)``: questions only ``a`` gets right, questions only ``b`` gets right, and the two-sided
-        p-value ``min(1, 2 P[X <= min(n_a, n_b)])`` with ``X ~ Binomial(n_a + n_b, 1/2)``.
+        n_a: The questions only ``a`` gets right.
+        n_b: The questions only ``b`` gets right.
+        p: The two-sided p-value ``min(1, 2 P[X <= min(n_a, n_b)])`` with ``X ~ Binomial(n_a + n_b, 1/2)``; 1
+            when no question is discordant.
+
+    Raises:
+        ValueError: ``a`` and ``b`` have different shapes.
     """
     a, b = np.asarray(a).astype(bool), np.asarray(b).astype(bool)
     if a.shape != b.shape:
@@ -94,9 +123,15 @@ def two_level_bootstrap(differences: np.ndarray, resamples: int = BOOTSTRAP, lev
     Args:
         differences: (S, n) per seed pair and question, the method's correctness minus the baseline's (a 0/1
             difference in {-1, 0, 1}).
-        resamples: bootstrap resamples.
-        level: confidence level.
-        seed: resampling seed.
+        resamples: bootstrap resamples. Default ``BOOTSTRAP`` (10,000).
+        level: confidence level. Default ``LEVEL`` (0.95).
+        seed: resampling seed. Default ``SEED`` (0).
+
+    Returns:
+        The mean of all differences with the percentile interval of the resampled means.
+
+    Raises:
+        ValueError: ``differences`` is not a non-empty 2-D array.
     """
     diff = np.asarray(differences, dtype=np.float64)
     if diff.ndim != 2 or diff.size == 0:
@@ -125,6 +160,14 @@ def sign_flip_test(differences: np.ndarray, resamples: int = BOOTSTRAP, seed: in
 
     Args:
         differences: (n,) per question, the method's (seed-averaged) correctness minus the baseline's.
+        resamples: random sign vectors R. Default ``BOOTSTRAP`` (10,000).
+        seed: seed of the sign vectors. Default ``SEED`` (0).
+
+    Returns:
+        The p-value, in ``[1 / (1 + R), 1]``.
+
+    Raises:
+        ValueError: ``differences`` is not a non-empty 1-D array.
     """
     d = np.asarray(differences, dtype=np.float64)
     if d.ndim != 1 or d.size == 0:
@@ -144,7 +187,13 @@ def seed_t_test(differences: list[float]) -> float | None:
     """Two-sided p-value of a t-test that the mean of per-seed differences is zero (scipy's ``ttest_1samp``).
 
     With the seeds as the unit, this covers the variation of training (seed s of one method against seed s of
-    the other: a paired t-test) on these questions. None with fewer than 2 seeds or no spread between them.
+    the other: a paired t-test) on these questions.
+
+    Args:
+        differences: per seed pair, the method's accuracy minus the baseline's.
+
+    Returns:
+        The p-value; None with fewer than 2 seed pairs or no spread between them.
     """
     from scipy.stats import ttest_1samp
 
@@ -165,6 +214,16 @@ def pooled_two_level_bootstrap(differences: list[np.ndarray], resamples: int = B
     Args:
         differences: per task, a (S_t, n_t) array: per seed pair and question, the method's correctness minus the
             baseline's.
+        resamples: bootstrap resamples. Default ``BOOTSTRAP`` (10,000).
+        level: confidence level. Default ``LEVEL`` (0.95).
+        seed: resampling seed. Default ``SEED`` (0).
+
+    Returns:
+        The mean over tasks of each task's mean difference, with the percentile interval of the resampled
+            task-averaged means.
+
+    Raises:
+        ValueError: no tasks, or a task's differences are not a non-empty 2-D array.
     """
     diffs = [np.asarray(d, dtype=np.float64) for d in differences]
     if not diffs or any(d.ndim != 2 or d.size == 0 for d in diffs):
@@ -193,6 +252,14 @@ def pooled_sign_flip_test(differences: list[np.ndarray], resamples: int = BOOTST
 
     Args:
         differences: per task, a (n_t,) array of per-question (seed-averaged) differences.
+        resamples: random sign vectors. Default ``BOOTSTRAP`` (10,000).
+        seed: seed of the sign vectors. Default ``SEED`` (0).
+
+    Returns:
+        The p-value, as :func:`sign_flip_test` gives it.
+
+    Raises:
+        ValueError: no tasks, or a task's differences are not a non-empty 1-D array.
     """
     diffs = [np.asarray(d, dtype=np.float64) for d in differences]
     if not diffs or any(d.ndim != 1 or d.size == 0 for d in diffs):
@@ -202,9 +269,17 @@ def pooled_sign_flip_test(differences: list[np.ndarray], resamples: int = BOOTST
 
 
 def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values (controls the family-wise error rate): sorted
-    ascending, the i-th (from 0) is multiplied by ``m - i``, made non-decreasing, capped at 1; returned in the
-    input order. A comparison is resolved at level alpha when its adjusted p is below alpha."""
+    """Holm's step-down adjustment of a family of p-values (controls the family-wise error rate).
+
+    Sorted ascending, the i-th (from 0) is multiplied by ``m - i``, made non-decreasing, capped at 1. A comparison
+    is resolved at level alpha when its adjusted p is below alpha.
+
+    Args:
+        pvalues: the family's m p-values, in any order.
+
+    Returns:
+        The adjusted p-values, in the input order (empty for an empty family).
+    """
     m = len(pvalues)
     order = sorted(range(m), key=lambda i: pvalues[i])
     adjusted, running = [0.0] * m, 0.0

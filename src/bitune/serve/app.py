@@ -38,9 +38,18 @@ class Served:
     """What the server serves and how it writes prompts.
 
     Attributes:
+        model: the :class:`~bitune.model.BituneModel` (its ``text_config`` gives the maximum position).
+        tokenizer: its tokenizer.
         name: the model name clients must send (``model``).
-        template: the chat endpoint's template (:func:`bitune.generation.pick_template`).
-        context: the model's maximum position (prompt + answer), or None if the config names none.
+        template: the chat endpoint's template (:func:`bitune.generation.pick_template`): ``"chat"``, ``"paper"``
+            or ``"none"`` (verbatim prompts: one user message, as given).
+        context (int | None): the model's maximum position (prompt + answer), or None if the config names none
+            (set on construction).
+        end_ids (dict[str, frozenset[int]]): per template (``template`` and ``"none"``), the token ids that end an
+            answer (eos, end of turn).
+
+    Raises:
+        BituneError: the tokenizer has no eos token to end answers with.
     """
 
     model: object
@@ -55,7 +64,19 @@ class Served:
                         for t in {self.template, "none"}}
 
     def chat_prompt(self, turns: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat request, written with the checkpoint's template."""
+        """Token ids of a chat request, written with the checkpoint's template.
+
+        Args:
+            turns: the request's messages, ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+
+        Returns:
+            The prompt's token ids.
+
+        Raises:
+            bitune.serve.protocol.APIError: 400 when the template cannot write the messages (template ``none``
+                with more than one message, an assistant message first with the paper template, or the chat
+                template's own refusal).
+        """
         if self.template == "none":  # trained on verbatim prompts: one user message, as given
             if len(turns) != 1:
                 raise api.APIError(400, "this model was trained on verbatim prompts (template 'none'): send one "
@@ -72,6 +93,17 @@ class Served:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
     def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion request's prompt, taken as given (template ``none``).
+
+        Args:
+            prompt: the text (tokenized with the tokenizer's special tokens), or token ids.
+
+        Returns:
+            The prompt's token ids.
+
+        Raises:
+            bitune.serve.protocol.APIError: 400 when a token id is outside the model's vocabulary.
+        """
         if isinstance(prompt, str):
             text, special = render(self.tokenizer, prompt, "none")
             return self.tokenizer(text, add_special_tokens=special)["input_ids"]
@@ -81,7 +113,23 @@ class Served:
         return list(prompt)
 
     def job(self, body, prompt: list[int], default_tokens: int | None, template: str) -> Job:
-        """The scheduler job of a request, after the checks that need the prompt's length."""
+        """The scheduler job of a request, after the checks that need the prompt's length.
+
+        Args:
+            body: the request (``ChatRequest`` or ``CompletionRequest`` of :mod:`bitune.serve.protocol`).
+            prompt: the prompt's token ids (:meth:`chat_prompt` or :meth:`completion_prompt`).
+            default_tokens: the cap on new tokens when the request names none (None: up to the model's
+                maximum position, or ``FALLBACK_MAX_TOKENS`` when the model names none).
+            template: which of :attr:`end_ids` ends the answer (unless the request sets ``ignore_eos``).
+
+        Returns:
+            The job, its ``max_tokens`` capped so that prompt + answer fit the model's positions.
+
+        Raises:
+            bitune.serve.protocol.APIError: 400 when the prompt has fewer than 2 tokens, fills the model's
+                positions already, or leaves less room than the request's explicit ``max_tokens`` /
+                ``max_completion_tokens`` (``context_length_exceeded``).
+        """
         param = "prompt" if isinstance(body, api.CompletionRequest) else "messages"
         if len(prompt) < 2:
             raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed (both "
@@ -103,8 +151,25 @@ class Served:
 
 
 def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app; its lifespan starts the scheduler thread and stops it at shutdown."""
+               max_body_bytes: int = MAX_BODY_BYTES) -> Gate:
+    """The ASGI app of ``bitune serve``: the FastAPI app behind the :class:`Gate` (API key, then body size).
+
+    Routes: ``GET /health`` (503 once the scheduler thread has stopped), ``GET /v1/models``,
+    ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's bodies, :mod:`bitune.serve.protocol`;
+    ``stream: true`` answers with server-sent events). Every error is answered as an OpenAI error object. The
+    app's lifespan starts the scheduler thread and stops it at shutdown.
+
+    Args:
+        served: the model, its tokenizer, the name clients send and the chat template.
+        scheduler: the batching scheduler that runs the model (:class:`bitune.serve.scheduler.Scheduler`);
+            started and stopped by the app.
+        api_key: the key clients send as ``Authorization: Bearer KEY`` on ``/v1/*`` (``/health`` stays open);
+            None (default) accepts every request.
+        max_body_bytes: larger request bodies are answered 413. Default ``MAX_BODY_BYTES`` (1 MiB).
+
+    Returns:
+        The app, to run with an ASGI server (uvicorn).
+    """
 
     @asynccontextmanager
     async def lifespan(app):

@@ -42,6 +42,7 @@ from ..config import BituneConfig
 from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
 from ..files import replace_dir
+from ..processes import world_size
 from ..model import BituneModel
 from ..modelcard import CARD_FILE, Training, is_ours
 from ..modelcard import write as write_card
@@ -91,25 +92,38 @@ class TrainerModel(nn.Module):
 
 
 class BituneSFTTrainer(SFTTrainer):
-    """TRL's ``SFTTrainer`` for a Bitune model.
+    """TRL's ``SFTTrainer`` for a Bitune model (what changes against a plain one: :mod:`bitune.trl.trainer`).
+
+    The checkpoint records ``base_model`` (the name given, else the base model's ``name_or_path``) and the
+    template of the data (``chat`` for conversations, ``none`` for verbatim prompts), so ``bitune generate``
+    writes prompts the way training read them. A merged model (loaded for inference) is unmerged to train.
 
     Args:
         model: a :class:`BituneModel`, or the name/folder of a base model (``bitune.hub.load_model``: built-in
             names such as ``smollm2-135m`` load offline), wrapped with ``bitune_config``.
+        args: an ``SFTConfig`` (required); its default ``activation_checkpointing=True`` runs Bitune's own
+            checkpointing (every decoder layer, the prompt caches kept: the same loss and gradients). On a
+            machine without GPUs also ``bf16=False`` (bf16 is slow on CPUs) and ``use_cpu=True`` (needed by
+            transformers to run several processes as one group).
+        train_dataset: a ``datasets.Dataset`` (required) of prompt-completion, conversational or conversational
+            prompt-completion rows (:mod:`bitune.trl.rows`); rows longer than ``args.max_length`` tokens are
+            dropped and counted (:attr:`dropped`).
+        eval_dataset: rows of the same kinds, for evaluation (optional): a ``datasets.Dataset`` or a dict of them.
+        processing_class: the tokenizer; required with a :class:`BituneModel`, default: the one loaded with a
+            named model.
         bitune_config: how to wrap a named model (default: Bitune + LoRA r8); only with a name.
-        args: an ``SFTConfig``; its default ``activation_checkpointing=True`` runs Bitune's own checkpointing
-            (every decoder layer, the prompt caches kept: the same loss and gradients). On a machine without GPUs
-            also ``bf16=False`` (bf16 is ~20x slower on CPU) and ``use_cpu=True`` (needed by transformers to run
-            several processes as one group).
-        train_dataset: a ``datasets.Dataset`` of prompt-completion, conversational or conversational
-            prompt-completion rows.
-        eval_dataset: rows of the same kinds, for evaluation (optional).
-        processing_class: the tokenizer (default: the one loaded with a named model).
         **kwargs: the rest of ``SFTTrainer``'s arguments (``callbacks``, ``optimizers``, ...).
 
-    The checkpoint records ``base_model`` (the name given, else the base model's ``name_or_path``) and the
-    template of the data (``chat`` for conversations, ``none`` for verbatim prompts), so ``bitune generate``
-    writes prompts the way training read them.
+    Raises:
+        BituneError: ``args`` is missing or not an ``SFTConfig``, or sets an option Bitune refuses (packing,
+            padding-free batches, selective or offloaded activation checkpointing, ``use_reentrant``,
+            ``assistant_only_loss``, ``completion_only_loss=False``, another ``loss_type`` or label smoothing);
+            an argument Bitune refuses is given (``peft_config``, ``formatting_func``, ``compute_loss_func``,
+            ``compute_metrics``, ``data_collator``); ``model`` is neither a :class:`BituneModel` nor a name, or
+            is a :class:`BituneModel` given with ``bitune_config`` or without ``processing_class``; the variant
+            is ``pretrained``; a dataset is missing, not a ``datasets.Dataset``, empty, longer than
+            ``max_length`` in every row, or has rows Bitune cannot use; the config's template does not fit the
+            data; FSDP or DeepSpeed is on; the launch has several processes but ``args`` sets up one.
     """
 
     _tag_names = ["trl", "sft", "bitune"]
@@ -156,8 +170,23 @@ class BituneSFTTrainer(SFTTrainer):
 
     # ----------------------------------------------------------------------------------------------- steps
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Example-mean loss of the batch through ``BituneModel.forward`` (``num_items_in_batch`` unused: every
-        example weighs the same, as in ``bitune train``)."""
+        """Example-mean loss of the batch through ``BituneModel.forward`` (:class:`bitune.model.BituneOutput`).
+
+        Args:
+            model: the model ``Trainer`` runs (the Bitune model, possibly wrapped by DDP).
+            inputs: TRL's batch: (B, T) right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on the
+                prompt), split into left-padded prompts and right-padded answers
+                (:func:`bitune.trl.rows.split_batch`).
+            return_outputs: also return the forward's output.
+            num_items_in_batch: unused: every example weighs the same, as in ``bitune train``.
+
+        Returns:
+            The loss (a scalar tensor); with ``return_outputs``, the pair ``(loss, output)``.
+
+        Raises:
+            BituneError: a row's labels are not a prompt of at least 2 tokens followed by an answer, or the
+                training loss is not finite (training diverged).
+        """
         batch = split_batch(inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
                             self.processing_class.pad_token_id)
         out = model(*batch)
@@ -167,7 +196,17 @@ class BituneSFTTrainer(SFTTrainer):
         return (out.loss, out) if return_outputs else out.loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The evaluation loss only (``eval_loss``: the mean of the batches' example means)."""
+        """The evaluation loss only (``eval_loss``: the mean of the batches' example means).
+
+        Args:
+            model: the model ``Trainer`` runs.
+            inputs: TRL's batch, as in :meth:`compute_loss`.
+            prediction_loss_only: unused: only the loss is returned.
+            ignore_keys: unused.
+
+        Returns:
+            ``(loss, None, None)``: no logits or labels are returned.
+        """
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
@@ -175,7 +214,14 @@ class BituneSFTTrainer(SFTTrainer):
 
     def create_optimizer(self, model=None):
         """``args.optim`` (default AdamW) over exactly the Bitune model's trainable parameters; the mixer's thetas
-        without weight decay, as in ``bitune train``."""
+        without weight decay, as in ``bitune train``.
+
+        Args:
+            model: unused (the Bitune model is the one trained).
+
+        Returns:
+            The optimizer, created once (an optimizer passed as ``optimizers=`` is kept).
+        """
         if self.optimizer is None:
             bitune = self.bitune_model
             params = list(bitune.trainable_parameters().values())
@@ -247,7 +293,7 @@ class BituneSFTTrainer(SFTTrainer):
         Args:
             model_name: unused (the card names the variant and base model).
             dataset_name: the training data's name(s), for the card's ``datasets`` metadata.
-            tags: extra metadata tags.
+            tags: extra metadata tags, after ``trl``, ``sft`` and ``bitune``.
         """
         if not self.is_world_process_zero():
             return
@@ -258,7 +304,15 @@ class BituneSFTTrainer(SFTTrainer):
     def training_record(self, dataset_names: list[str] | tuple[str, ...] = (),
                         tags: list[str] | tuple[str, ...] = ()) -> Training:
         """What the model card of a checkpoint saved now records: the ``SFTConfig`` values that shape training, the
-        processes, the rows dropped, the step and epoch."""
+        processes, the rows dropped, the step and epoch.
+
+        Args:
+            dataset_names: the training data's names, for the card's ``datasets`` metadata.
+            tags: extra metadata tags, after ``trl``, ``sft`` and ``bitune``.
+
+        Returns:
+            The record (:class:`bitune.modelcard.Training`).
+        """
         args = self.args.to_dict()  # enums as their values
         settings = {k: args[k] for k in CARD_SETTINGS if k in args}
         settings.update(processes=self.args.world_size, rows_dropped=self.dropped)
@@ -297,7 +351,7 @@ def _check_options(args: SFTConfig, kwargs: dict) -> None:
         if options:
             raise BituneError(f"BituneSFTTrainer: activation_checkpointing_kwargs {sorted(options)} are not "
                               "supported by Bitune's checkpointing")
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = world_size()
     if launched > 1 and args.world_size == 1:
         raise BituneError(f"BituneSFTTrainer: launched as {launched} processes, but this SFTConfig sets up 1 (on a "
                           "machine without GPUs, transformers runs them as one group only with use_cpu=True): every "
