@@ -39,6 +39,22 @@ def test_study_readme_shows_exactly_the_committed_report(study):
     assert block == "\n" + embedded((study / "report.md").read_text(encoding="utf-8"))
 
 
+README = RESULTS.parent / "README.md"
+README_STUDY = RESULTS / "smollm2-arc-csqa"
+"""The study whose summary the README shows (``bitune report results/smollm2-arc-csqa --embed-summary README.md``)."""
+
+
+def test_readme_summary_reproduces_from_its_study():
+    """The README's evidence table is the summary of the committed runs, with the full report linked."""
+    from bitune.eval.report import SUMMARY_BEGIN, SUMMARY_END, analyse, build_summary, embedded
+
+    text = README.read_text(encoding="utf-8")
+    block = text[text.index(SUMMARY_BEGIN) + len(SUMMARY_BEGIN):text.index(SUMMARY_END)]
+    full = f"results/{README_STUDY.name}/report.md"
+    summary = build_summary(analyse(load_records(find_results([str(README_STUDY)]))), source=f"[{full}]({full})")
+    assert block == "\n" + embedded(summary)
+
+
 PART3 = RESULTS / "smollm2-csqa-piqa-siqa"
 
 

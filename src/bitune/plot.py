@@ -203,7 +203,7 @@ def attention_figure(maps: dict[str, torch.Tensor], labels: list[str] | None = N
             ax.set_xticks(range(T), labels, rotation=90, fontsize=7)
             ax.set_yticks(range(T), labels, fontsize=7)
     fig.colorbar(image, ax=axes, label="attention (mean over layers and heads)", shrink=0.8)
-    fig.suptitle("Prompt attention, averaged over layers and heads (paper A.12)")
+    fig.suptitle("Prompt attention, averaged over layers and heads\n(paper A.12)")
     return fig
 
 

@@ -1,5 +1,5 @@
 """``bitune export``: a checkpoint's decode model as a standard transformers folder (the causal weights merged),
-with the checkpoint itself under ``bitune/`` for the prompt passes (see ``docs/serving-at-scale.md``)."""
+with the checkpoint itself under ``bitune/`` for the prompt passes (see ``docs/guides/serving-at-scale.md``)."""
 
 from __future__ import annotations
 
