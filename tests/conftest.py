@@ -6,9 +6,7 @@ import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PhiConfig,
-                          Qwen2Config)
-
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PhiConfig, Qwen2Config
 
 VOCAB = 64
 PAD, EOS, BOS = 0, 1, 2

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from conftest import EOS, VOCAB, perturb_adapters, tiny_model
 from transformers import TrainerCallback
 
 from bitune import BituneModel
 from bitune.data.collate import Collator
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import build_trainer, run_training
+from conftest import EOS, VOCAB, perturb_adapters, tiny_model
 
 HERE = Path(__file__).resolve().parent
 

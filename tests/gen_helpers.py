@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bitune import BituneConfig, BituneModel
 from conftest import perturb_adapters, tiny_model
 from eval_helpers import tiny_tokenizer
-
-from bitune import BituneConfig, BituneModel
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, perturb_adapters, tiny_model
 
 from bitune import BituneConfig, BituneModel
 from bitune.adapters import Routing, routed, routed_lora_forward
+from conftest import VOCAB, perturb_adapters, tiny_model
 
 
 def _model(method="lora"):

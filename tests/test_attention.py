@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from bitune.attention import block_attention, mask_format, running
+from conftest import tiny_model
 
 SEEN = []
 

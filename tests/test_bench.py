@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from gen_helpers import save_checkpoint
 
 from bitune.cli import main
+from gen_helpers import save_checkpoint
 
 
 def test_bench_train_reports_time_memory_and_flop_ratios(tmp_path):

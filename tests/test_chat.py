@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from conftest import PAD
-from eval_helpers import tiny_tokenizer
-from gen_helpers import CHAT_TEMPLATE, save_checkpoint, tiny_bitune
 
 from bitune.cache import layer_kv
 from bitune.chat import Conversation
 from bitune.cli import main
 from bitune.generation import generate_texts
+from conftest import PAD
+from eval_helpers import tiny_tokenizer
+from gen_helpers import CHAT_TEMPLATE, save_checkpoint, tiny_bitune
 
 TURNS = ["what is 2+2?", "and 3+3?", "why?"]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gen_helpers import save_checkpoint
 
 from bitune.cli import main
+from gen_helpers import save_checkpoint
 
 
 @pytest.fixture(scope="module")

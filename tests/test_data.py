@@ -5,9 +5,8 @@ import json
 import pytest
 import torch
 
-from bitune.data import DATASETS, Collator, Example, load_examples, tokenize_dataset, tokenize_example
+from bitune.data import DATASETS, Collator, Example, load_examples, sources, tokenize_dataset, tokenize_example
 from bitune.data import datasets as data_module
-from bitune.data import sources
 from bitune.data.templates import instruction_example
 from bitune.errors import BituneError
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import batch, tiny_model
-from dist_helpers import HERE, torchrun, train_tiny
 
 from bitune import BituneModel
 from bitune.config import METHODS, VARIANTS, BituneConfig
 from bitune.errors import BituneError
 from bitune.train.trainer import LOG_FILE, checkpoints, ddp_kwargs
+from conftest import batch, tiny_model
+from dist_helpers import HERE, torchrun, train_tiny
 
 TRAINABLE = [v for v in VARIANTS if v != "pretrained"]
 ACCELERATE_CONFIGS = HERE.parent / "configs" / "accelerate"

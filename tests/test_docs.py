@@ -630,8 +630,8 @@ def check_site_in_browser(site: Path, titles: list[str], shots: Path,
                           word: str = "mixing") -> None:
     """Serve ``site`` on a free port and check it in headless Chromium; screenshots go to ``shots``."""
     from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 

@@ -99,8 +99,8 @@ def test_eval_cli_refuses_bad_numbers_before_loading(checkpoint, capsys, option,
 
 
 def test_sweep_parses_methods():
-    from bitune.errors import BituneError
     from bitune.commands.sweep import parse_methods
+    from bitune.errors import BituneError
 
     methods = parse_methods("pretrained,lora,lora16,bitune,shared_weights")
     assert [(m.variant, m.rank) for m in methods] == [("pretrained", None), ("lora", None), ("lora", 16),

@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint, tiny_bitune
 
 from bitune.cli import main
 from bitune.data.collate import tokenize_example
 from bitune.data.templates import instruction_example
 from bitune.errors import BituneError
 from bitune.generation import encode, generate_texts, max_new_tokens_for, render
+from eval_helpers import tiny_tokenizer
+from gen_helpers import save_checkpoint, tiny_bitune
 
 PROMPTS = ["what is 2+2?", "name a color.", "hi"]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, batch, perturb_adapters, tiny_model
 
 from bitune import BituneConfig, BituneModel
 from bitune.errors import BituneError
 from bitune.scoring import score_continuations
+from conftest import EOS, batch, perturb_adapters, tiny_model
 
 VARIANTS = ["bitune", "lora", "shared_weights", "only_causal", "naive_bidir", "no_mixing", "anti_causal", "pretrained"]
 
@@ -143,9 +143,8 @@ def test_dora_bidir_copy_is_put_back_exactly():
 def test_training_after_inference_matches_training_alone(tmp_path, inference):
     """A wrapped model is never merged in place: generating with it before training changes nothing, bit for
     bit. A model merged and unmerged again trains to the same weights within float rounding."""
-    from test_train import make_trainer, weights
-
     from bitune.train.trainer import run_training
+    from test_train import make_trainer, weights
 
     results = []
     for before in (None, inference):
@@ -195,10 +194,10 @@ def test_export_of_an_unmerged_model_leaves_it_unmerged(tmp_path):
 
 
 def test_bitune_export_command(tmp_path, capsys):
-    from gen_helpers import save_checkpoint
     from transformers import AutoModelForCausalLM
 
     from bitune.cli import main
+    from gen_helpers import save_checkpoint
 
     ckpt, _ = save_checkpoint(tmp_path)
     assert main(["export", "--checkpoint", str(ckpt), "--merged", str(tmp_path / "out")]) == 0

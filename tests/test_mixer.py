@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from bitune import BituneConfig, BituneModel
 from bitune.mixer import Mixer
 from bitune.reference import _ratio
+from conftest import tiny_model
 
 # theta_init = 0.01: a = |theta| / (0.01 + |theta|)
 THETAS = [0.01, 0.03, -0.01, 0.0]

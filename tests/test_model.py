@@ -345,6 +345,7 @@ def test_a_checkpoint_whose_config_and_weights_disagree_or_hold_nan_is_rejected(
 
 def _wider_llama():
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     from conftest import _COMMON
     cfg = LlamaConfig(**{**_COMMON, "hidden_size": 48, "num_key_value_heads": 2})
     return AutoModelForCausalLM.from_config(cfg)

@@ -17,11 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import perturb_adapters, tiny_model
-from gen_helpers import save_checkpoint
 from huggingface_hub import ModelCard
-from test_train import make_trainer
-from trl_helpers import sft_trainer, trainable
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import VERBS
@@ -30,6 +26,10 @@ from bitune.modelcard import MARKER, find_evaluation, is_ours, render, tags_for,
 from bitune.train.checkpoints import save_checkpoint as save_training_checkpoint
 from bitune.train.checkpoints import verify_checkpoint
 from bitune.train.trainer import checkpoints, run_training
+from conftest import perturb_adapters, tiny_model
+from gen_helpers import save_checkpoint
+from test_train import make_trainer
+from trl_helpers import sft_trainer, trainable
 
 USER_README = b"# My model\r\n\nMine, not bitune's: \xff kept byte for byte.\n"
 """A user's own README (CRLF and a byte that is not UTF-8: a rewrite would not reproduce it)."""

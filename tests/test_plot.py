@@ -5,17 +5,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import CONFIGS, EOS, VOCAB
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint, tiny_bitune
 
 from bitune import BituneModel
 from bitune.cli import main
 from bitune.data.collate import Collator
 from bitune.generation import encode, render
-from bitune.plot import FINAL_FILE, STEPS_FILE, attention_figure, attention_maps, mixing_figures, read_mixing_log, token_labels
+from bitune.plot import (
+    FINAL_FILE,
+    STEPS_FILE,
+    attention_figure,
+    attention_maps,
+    mixing_figures,
+    read_mixing_log,
+    token_labels,
+)
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, run_training
+from conftest import CONFIGS, EOS, VOCAB
+from eval_helpers import tiny_tokenizer
+from gen_helpers import save_checkpoint, tiny_bitune
 
 LAYERS = 3
 

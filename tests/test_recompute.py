@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, perturb_adapters, tiny_model
 
 from bitune import BituneModel
 from bitune.config import BituneConfig
 from bitune.errors import BituneError
+from conftest import batch, perturb_adapters, tiny_model
 
 CASES = [("llama", "bitune", "lora", "fused"), ("llama", "bitune", "lora", "batched"),
          ("llama", "bitune", "lora", "sequential"), ("gemma3", "bitune", "lora", "fused"),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, perturb_adapters, tiny_model
 
 from bitune import VARIANTS, BituneConfig, BituneModel
 from bitune.reference import reference_loss
+from conftest import batch, perturb_adapters, tiny_model
 
 ARCHS = [("llama", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager"), ("qwen2", "eager")]
 PATHS = ("fused", "batched", "sequential")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import concurrent.futures as futures
 
 import pytest
-from gen_helpers import save_checkpoint
-from serve_helpers import greedy_tokens, http, serving
 
 from bitune.generation import generate_texts, render, render_messages
+from gen_helpers import save_checkpoint
+from serve_helpers import greedy_tokens, http, serving
 
 openai = pytest.importorskip("openai")
 PROMPTS = ["what is 2+2?", "name a color.", "hi", "add 3 and 4, then say why.", "list two animals",

@@ -6,11 +6,11 @@ from __future__ import annotations
 import types
 
 import pytest
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint
 
 from bitune.errors import BituneError
 from bitune.serve.bench import checkpoints, ours, prompts, run_servers, summarize
+from eval_helpers import tiny_tokenizer
+from gen_helpers import save_checkpoint
 
 
 def test_prompts_have_exactly_the_asked_length_and_differ():

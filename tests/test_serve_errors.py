@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
-from gen_helpers import save_checkpoint
-from serve_helpers import free_port, http, serving
 
 from bitune.cli import main
 from bitune.commands.serve import api_key, exposure_warning
+from gen_helpers import save_checkpoint
+from serve_helpers import free_port, http, serving
 
 openai = pytest.importorskip("openai")
 USER = [{"role": "user", "content": "hi"}]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_serve_scheduler import PROMPTS, _model, _Tok
 
 from bitune.passes import Prefill
 from bitune.serve import scheduler as sched
 from bitune.serve.scheduler import Job, Scheduler, SchedulerDown
+from test_serve_scheduler import PROMPTS, _model, _Tok
 
 WAIT = 20  # seconds any request may take here at most (a hang fails the test instead of blocking the suite)
 

@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
-from conftest import EOS, tiny_model, perturb_adapters
-from serve_helpers import greedy_tokens
 
 from bitune import BituneConfig, BituneModel
 from bitune.serve.scheduler import Job, QueueFull, Scheduler
+from conftest import EOS, perturb_adapters, tiny_model
+from serve_helpers import greedy_tokens
 
 PROMPTS = [[2, 5, 9, 11, 7], [2, 30, 31], [2, 8, 8, 8, 8, 9, 40, 41, 42], [2, 50, 13, 17], [2, 60, 6]]
 

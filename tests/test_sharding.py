@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
-from dist_helpers import torchrun, train_tiny
-from test_distributed import assert_same_weights, check, final_weights
 
 from bitune import BituneModel
 from bitune.config import BituneConfig
 from bitune.errors import BituneError
 from bitune.train.run_folder import LOG_FILE, checkpoints
 from bitune.train.sharding import fsdp_options, shard
-
+from conftest import tiny_model
+from dist_helpers import torchrun, train_tiny
+from test_distributed import assert_same_weights, check, final_weights
 
 LIMIT = 0.01
 CLIP = ("--max-grad-norm", str(LIMIT))  # below the gradient norms of these runs: clipping acts at every step

@@ -7,8 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from bitune.eval.stats import (bootstrap_mean, holm, mcnemar_exact, pooled_sign_flip_test, pooled_two_level_bootstrap,
-                               sign_flip_test, two_level_bootstrap)
+from bitune.eval.stats import (
+    bootstrap_mean,
+    holm,
+    mcnemar_exact,
+    pooled_sign_flip_test,
+    pooled_two_level_bootstrap,
+    sign_flip_test,
+    two_level_bootstrap,
+)
 
 
 def test_mcnemar_exact_on_a_hand_computed_table():

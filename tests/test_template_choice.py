@@ -9,15 +9,15 @@ import os
 import stat
 
 import pytest
+
+from bitune import BituneConfig, BituneModel
+from bitune.checkpoint import CONFIG_FILE
+from bitune.cli import main
+from bitune.generation import generate_texts, pick_template
+from bitune.loading import load_bitune
 from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 from gen_helpers import CHAT_TEMPLATE, tiny_bitune
-
-from bitune import BituneConfig, BituneModel
-from bitune.cli import main
-from bitune.checkpoint import CONFIG_FILE
-from bitune.loading import load_bitune
-from bitune.generation import generate_texts, pick_template
 
 CHAT_ROWS = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
                            {"role": "assistant", "content": f"it is {2 * i}."}]} for i in range(4)]

@@ -9,8 +9,6 @@ import pytest
 import torch
 import transformers
 import yaml
-from conftest import EOS, VOCAB, tiny_model
-from dist_helpers import Interrupt
 
 from bitune import BituneModel
 from bitune.data import sampling
@@ -18,8 +16,8 @@ from bitune.data.collate import Collator
 from bitune.errors import BituneError
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, checkpoints, run_training
-
-
+from conftest import EOS, VOCAB, tiny_model
+from dist_helpers import Interrupt
 
 
 def samples(n: int = 8, seed: int = 0) -> list[dict]:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS, VOCAB
-from dist_helpers import Interrupt
-from test_train import make_trainer, read_log, samples, weights
 
 from bitune.data.sampling import LengthGroupedSampler, grouped_order, padding_share
 from bitune.errors import BituneError
 from bitune.train.trainer import checkpoints, run_training
+from conftest import EOS, VOCAB
+from dist_helpers import Interrupt
+from test_train import make_trainer, read_log, samples, weights
 
 
 def skewed_lengths(n: int = 400, seed: int = 0) -> list[tuple[int, int]]:

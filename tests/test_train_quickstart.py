@@ -5,14 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import transformers
-from conftest import VOCAB, tiny_model
 
-from bitune import BituneConfig, BituneModel
-from bitune.data.templates import Example
-
-
+from bitune import BituneModel
 
 
 def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):

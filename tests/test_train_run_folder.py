@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from dist_helpers import Interrupt
-from gen_helpers import save_checkpoint
-from test_train import make_trainer, read_log
 from transformers import TrainerCallback
 
 from bitune.cli import main
 from bitune.errors import BituneError
 from bitune.train.run_folder import run_lock
 from bitune.train.trainer import LOG_FILE, checkpoints, run_training
+from dist_helpers import Interrupt
+from gen_helpers import save_checkpoint
+from test_train import make_trainer, read_log
 
 
 def digest(folder: Path) -> dict[str, str]:

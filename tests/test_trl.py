@@ -10,24 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
 from datasets import Dataset
-from eval_helpers import tiny_tokenizer
-from test_conversations import CONVERSATION, chat_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-from trl_helpers import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, trainable, write_bitune_rows
 
 from bitune import BituneConfig, BituneModel
-from bitune.loading import load_bitune
 from bitune.data import load_examples, tokenize_dataset
 from bitune.data.collate import Collator, pad_id
 from bitune.data.templates import Example
 from bitune.errors import BituneError
+from bitune.loading import load_bitune
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import build_trainer, run_training
 from bitune.trl import BituneSFTTrainer, TrainerModel
 from bitune.trl.rows import split_batch
+from conftest import tiny_model
+from eval_helpers import tiny_tokenizer
+from test_conversations import CONVERSATION, chat_tokenizer
+from trl_helpers import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, trainable, write_bitune_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

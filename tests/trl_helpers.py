@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from conftest import perturb_adapters, tiny_model
-from eval_helpers import tiny_tokenizer
 
 from bitune import BituneConfig, BituneModel
+from conftest import perturb_adapters, tiny_model
+from eval_helpers import tiny_tokenizer
 
 HERE = Path(__file__).resolve().parent
 DDP_CONFIG = HERE.parent / "configs" / "accelerate" / "ddp.yaml"

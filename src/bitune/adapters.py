@@ -15,9 +15,9 @@ LoRA layer computes.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
-import copy
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 

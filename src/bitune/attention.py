@@ -45,7 +45,7 @@ def mask_format(ok: torch.Tensor, attn_implementation: str, dtype: torch.dtype) 
 
 
 # --------------------------------------------------------------------------------------------------- switching
-_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_CONFIGS: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
 
 @contextmanager

@@ -22,8 +22,15 @@ from pathlib import Path
 from .data.collate import pad_id
 from .errors import BituneError
 from .files import write_text_atomic
-from .generation import StopStreamer, answer_room, cut_at_stop, end_of_turn_ids, pad_prompts, pick_template, \
-    render_messages
+from .generation import (
+    StopStreamer,
+    answer_room,
+    cut_at_stop,
+    end_of_turn_ids,
+    pad_prompts,
+    pick_template,
+    render_messages,
+)
 
 MODES = ("recompute", "alternating")
 PAPER_STOP = "Question:"

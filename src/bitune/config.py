@@ -154,7 +154,7 @@ class BituneConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BituneConfig":
+    def from_dict(cls, data: dict[str, Any]) -> BituneConfig:
         """Build from a dict (as :meth:`to_dict` writes it), rejecting unknown keys by name.
 
         Args:

@@ -46,8 +46,8 @@ from .inputs import check_answer, check_architecture, check_ids, check_prompt, c
 from .masks import position_ids
 from .mixer import Mixer
 from .modelcard import Training
-from .recompute import checkpoint_layers
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
+from .recompute import checkpoint_layers
 
 
 @dataclass
@@ -106,7 +106,7 @@ class BituneModel(nn.Module):
 
     @classmethod
     def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
-             merge: bool = False) -> "BituneModel":
+             merge: bool = False) -> BituneModel:
         """Wrap a transformers causal LM (e.g. from ``AutoModelForCausalLM``) as a Bitune model.
 
         Args:
@@ -201,7 +201,7 @@ class BituneModel(nn.Module):
         """Whether the causal weights are merged into the base weights (inference; :meth:`merge`)."""
         return self.weights.merged
 
-    def merge(self) -> "BituneModel":
+    def merge(self) -> BituneModel:
         """Merge the causal weight set into the base weights, in place, for inference.
 
         The causal prompt pass, the answer pass and every decoding step then run the base model's own linear
@@ -217,7 +217,7 @@ class BituneModel(nn.Module):
         self.weights.merge()
         return self
 
-    def unmerge(self) -> "BituneModel":
+    def unmerge(self) -> BituneModel:
         """Undo :meth:`merge`, in place; a no-op when not merged.
 
         The base weights come back to within float rounding of one add and one subtract: a model that is trained
@@ -520,7 +520,7 @@ class BituneModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
-                        prompt_passes: str = "auto", merge: bool = True, **load_kwargs) -> "BituneModel":
+                        prompt_passes: str = "auto", merge: bool = True, **load_kwargs) -> BituneModel:
         """Load a checkpoint written by :meth:`save_pretrained`, strictly (every tensor must match).
 
         Args:

@@ -39,7 +39,7 @@ class Prefill:
     mask: torch.Tensor
     last_token: torch.Tensor
 
-    def select(self, index: torch.Tensor) -> "Prefill":
+    def select(self, index: torch.Tensor) -> Prefill:
         """Rows ``index`` of this prefill, as an independent copy (the original can be reused).
 
         Args:
@@ -51,7 +51,7 @@ class Prefill:
         return Prefill(kv.select_rows(self.cache, index), self.ids[index], self.mask[index], self.last_token[index])
 
     @staticmethod
-    def concat(prefills: list["Prefill"]) -> "Prefill":
+    def concat(prefills: list[Prefill]) -> Prefill:
         """The rows of several prefills as one (left padding extended to the longest; caches padded alike).
 
         Args:
@@ -68,7 +68,7 @@ class Prefill:
         return Prefill(kv.concat_rows([p.cache for p in prefills]), torch.cat([left(p.ids) for p in prefills]),
                        torch.cat([left(p.mask) for p in prefills]), torch.cat([p.last_token for p in prefills]))
 
-    def trimmed(self) -> "Prefill":
+    def trimmed(self) -> Prefill:
         """The same rows without the leading positions that are padding in every row (after rows left, say).
 
         Returns:

@@ -55,7 +55,6 @@ def checkpoint_layers(layers: list[nn.Module]) -> None:
     The module itself is untouched (same parameters and names; its ``forward`` is overridden on the instance),
     so FSDP's hooks, state dicts and checkpoints see the model as before. Idempotent.
     """
-    from . import cache as kv
 
     for layer in layers:
         if "forward" not in layer.__dict__:

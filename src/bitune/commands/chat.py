@@ -10,9 +10,9 @@ import sys
 from transformers import set_seed
 
 from ..chat import MODES, Conversation
-from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import check_output_file, check_text
+from ..loading import load_bitune
 from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options
 
 COMMANDS = "/reset clears the history, /exit (or /quit) quits, // starts a message with /"

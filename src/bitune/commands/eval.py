@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..eval import RESULT_FILE
 from ..errors import BituneError
+from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_output_file
 from .options import add_merge_option, add_prompt_passes_option, add_threads_option

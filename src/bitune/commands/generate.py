@@ -15,11 +15,11 @@ from pathlib import Path
 
 from transformers import set_seed
 
-from ..loading import load_bitune
 from ..config import TEMPLATES
 from ..errors import BituneError
 from ..files import check_output_file, check_text, read_text, write_text_atomic
 from ..generation import generate_texts, pick_template
+from ..loading import load_bitune
 from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options
 
 HELP = "generate answers from a checkpoint"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..loading import load_bitune
 from ..config import TEMPLATES
 from ..errors import BituneError
 from ..files import check_output_dir, check_text
 from ..generation import pick_template
+from ..loading import load_bitune
 from ..plot import ATTENTION_FILE, FINAL_FILE, STEPS_FILE, plot_attention, plot_mixing
 from .options import add_model_options
 

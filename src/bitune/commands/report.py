@@ -8,8 +8,22 @@ import os
 from pathlib import Path
 
 from ..errors import BituneError
-from ..eval.report import EMBED_BEGIN, EMBED_END, SUMMARY_BEGIN, SUMMARY_END, analyse, build_markdown, \
-    build_summary, embed_report, find_results, load_records, plot_accuracy, print_report, title_of, write_report
+from ..eval.report import (
+    EMBED_BEGIN,
+    EMBED_END,
+    SUMMARY_BEGIN,
+    SUMMARY_END,
+    analyse,
+    build_markdown,
+    build_summary,
+    embed_report,
+    find_results,
+    load_records,
+    plot_accuracy,
+    print_report,
+    title_of,
+    write_report,
+)
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 

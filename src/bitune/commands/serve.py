@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise BituneError(f"bitune serve needs the 'serve' extra ({e.name} is missing): "
                           "pip install 'bitune[serve]'") from e
-    from ..loading import load_bitune
     from ..generation import pick_template
+    from ..loading import load_bitune
 
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
                                    args.prompt_passes, merge=not args.no_merge)

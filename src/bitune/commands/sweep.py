@@ -22,12 +22,12 @@ from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError
 from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
-from .options import add_threads_option
 from ..eval.report import aggregate, load_records, print_report, write_report
 from ..eval.tasks import PREFIX, make_tasks
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
+from .options import add_threads_option
 
 HELP = "train and evaluate methods x seeds, then report"
 _METHOD = re.compile(r"^([a-z_]+?)(\d+)?$")

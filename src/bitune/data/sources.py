@@ -20,7 +20,6 @@ import gzip
 import json
 import shutil
 import tarfile
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass

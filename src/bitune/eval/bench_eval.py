@@ -21,10 +21,10 @@ import time
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from ..loading import load_bitune
 from ..commands.options import ArgumentParser
 from ..config import BituneConfig
 from ..hub import DEFAULT_MODEL
+from ..loading import load_bitune
 from ..model import BituneModel
 from .lm import BituneLM
 from .tasks import make_task

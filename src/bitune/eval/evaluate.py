@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lm_eval
@@ -25,12 +25,12 @@ from lm_eval.tasks import TaskManager
 from rich.console import Console
 from rich.table import Table
 
-from ..loading import load_bitune
 from ..errors import BituneError
 from ..files import write_text_atomic
+from ..generation import pick_template
+from ..loading import load_bitune
 from ..processes import world_size
 from ..provenance import source_commit, versions
-from ..generation import pick_template
 from . import RESULT_FILE, SCHEMA
 from .lm import BituneLM
 from .tasks import PREFIX, make_tasks
@@ -225,7 +225,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         },
         "timing": {"load_s": round(load_s, 3), **timing, "total_s": round(time.perf_counter() - t0, 3),
                    "torch_threads": torch.get_num_threads()},
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "samples": samples,
     }
     _print(record)

@@ -38,9 +38,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from ..loading import load_bitune
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
+from ..loading import load_bitune
 from ..model import BituneModel, token_logprobs
 from ..passes import Prefill
 from ..processes import world_size

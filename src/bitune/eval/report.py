@@ -46,8 +46,17 @@ from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import write_text_atomic
 from . import RESULT_FILE, SCHEMA
-from .stats import (BOOTSTRAP, bootstrap_mean, holm, mcnemar_exact, pooled_sign_flip_test, pooled_two_level_bootstrap,
-                    seed_t_test, sign_flip_test, two_level_bootstrap)
+from .stats import (
+    BOOTSTRAP,
+    bootstrap_mean,
+    holm,
+    mcnemar_exact,
+    pooled_sign_flip_test,
+    pooled_two_level_bootstrap,
+    seed_t_test,
+    sign_flip_test,
+    two_level_bootstrap,
+)
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
@@ -264,7 +273,7 @@ def collect_runs(records: list[dict], metric: str = "acc",
             run = f"{r['label']} (seed {seed})"
             gold = [table["gold"][i] for i in order] if "gold" in table else None
             if gold is not None and entry.gold is not None and gold != entry.gold[1]:
-                (first, known), differ = entry.gold, [d for d, a, b in zip(doc_ids, gold, entry.gold[1]) if a != b]
+                first, differ = entry.gold[0], [d for d, a, b in zip(doc_ids, gold, entry.gold[1]) if a != b]
                 raise BituneError(f"task {task}: runs {first} and {run} disagree on the correct answer of "
                                   f"{len(differ)} questions (the first: doc_id {differ[0]}): not the same questions "
                                   "(another dataset version, or an edited file)")

@@ -234,8 +234,8 @@ def transformers_server(folder: str, args) -> Server:
 def checkpoints(args, work: Path) -> dict[str, str]:
     """The Bitune and LoRA checkpoints to serve: the ones given, else fresh ones on ``args.model`` (adapters as
     initialised: the same shapes, hence the same compute, as trained ones)."""
-    from ..config import BituneConfig
     from ..checkpoint import read_config
+    from ..config import BituneConfig
     from ..hub import load_model
     from ..model import BituneModel
 

@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 import transformers
 
-from ..data.collate import Collator, pad_id, tokenize_dataset
 from ..data import datasets
+from ..data.collate import Collator, pad_id, tokenize_dataset
 from ..errors import BituneError
 from ..hub import load_model
 from ..model import BituneModel
 from ..provenance import source_commit
-from .settings import TrainSettings
 from .run_folder import RunStart, start_run
+from .settings import TrainSettings
 from .trainer import TrainResult, build_trainer, run_training
 
 

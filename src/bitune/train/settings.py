@@ -192,7 +192,7 @@ class TrainSettings:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainSettings":
+    def from_dict(cls, data: dict[str, Any]) -> TrainSettings:
         """Build from a (nested) dict, rejecting unknown keys with the closest allowed one."""
         if not isinstance(data, dict):
             raise BituneError(f"settings must be a mapping of keys to values, got {type(data).__name__}")
@@ -328,7 +328,7 @@ def _is_text_setting(key: str) -> bool:
     """Whether a (dotted) setting is typed ``str`` or ``str | None``."""
     section, _, name = key.rpartition(".")
     hints = {"": _hints(), "bitune": typing.get_type_hints(BituneConfig)}.get(section, {})
-    return hints.get(name) in (str, str | None, typing.Optional[str])
+    return hints.get(name) in (str, str | None)  # also typing.Optional[str]: they compare equal
 
 
 def _hints() -> dict[str, Any]:

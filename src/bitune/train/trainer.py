@@ -23,7 +23,6 @@ import contextlib
 import hashlib
 import itertools
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,11 +40,20 @@ from ..errors import BituneError
 from ..model import BituneModel
 from ..modelcard import Training
 from ..processes import check_fsdp_processes
-from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from . import sharding
+from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from .logger import JsonlLogger
-from .run_folder import (FINAL_DIR, LOG_FILE, RunStart, append_jsonl, check_world_size, checkpoint_step, checkpoints,
-                         start_run, truncate_log)
+from .run_folder import (
+    FINAL_DIR,
+    LOG_FILE,
+    RunStart,
+    append_jsonl,
+    check_world_size,
+    checkpoint_step,
+    checkpoints,
+    start_run,
+    truncate_log,
+)
 from .settings import TrainSettings
 
 

@@ -42,10 +42,10 @@ from ..config import BituneConfig
 from ..data.sampling import LengthGroupedSampler, ShuffledSampler
 from ..errors import BituneError
 from ..files import replace_dir
-from ..processes import world_size
 from ..model import BituneModel
 from ..modelcard import CARD_FILE, Training, is_ours
 from ..modelcard import write as write_card
+from ..processes import world_size
 from .rows import split_batch, tokenize_rows
 
 logger = logging.get_logger(__name__)
