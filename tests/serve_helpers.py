@@ -1,5 +1,6 @@
 """A ``bitune serve`` app on 127.0.0.1 at a free port, run by uvicorn in a background thread and stopped by the
-test; and greedy references computed with the library directly."""
+test; greedy references computed with the library directly; and synchronisation with the scheduler's thread
+(held decoding steps, the jobs submitted, a condition awaited), so that no test depends on timing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from bitune.generation import pick_template
 from bitune.loading import load_bitune
 from bitune.serve.app import Served, create_app
 from bitune.serve.bench import free_port
-from bitune.serve.scheduler import Scheduler
+from bitune.serve.scheduler import Job, Scheduler
+
+WAIT = 60
+"""Seconds a test waits for something at most: a hang fails the test instead of blocking the suite."""
 
 
 @contextlib.contextmanager
@@ -43,6 +47,47 @@ def serving(checkpoint=None, model=None, api_key=None, max_batch_size=16, max_qu
         server.should_exit = True
         thread.join(15)
         assert not thread.is_alive(), "the test server did not stop"
+
+
+@contextlib.contextmanager
+def held_steps(scheduler: Scheduler):
+    """Hold every decoding step of ``scheduler``'s model until the test releases it: yields ``(entered, release)``
+    (``threading.Event``); ``entered`` is set once a step is waiting. On exit the steps are released and the
+    model's own ``decode_step`` is back."""
+    step, entered, release = scheduler.model.decode_step, threading.Event(), threading.Event()
+
+    def held(state, pick):
+        entered.set()
+        if not release.wait(WAIT):
+            raise TimeoutError("a held decoding step was never released")
+        return step(state, pick)
+
+    scheduler.model.decode_step = held
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        scheduler.model.decode_step = step
+
+
+def submitted_jobs(scheduler: Scheduler) -> list[Job]:
+    """The jobs ``scheduler`` accepts from now on, in order (its ``submit`` wrapped; refused jobs are left out)."""
+    jobs, submit = [], scheduler.submit
+
+    def recording(job: Job) -> None:
+        submit(job)
+        jobs.append(job)
+
+    scheduler.submit = recording
+    return jobs
+
+
+def wait_until(condition, timeout: float = WAIT, what: str = "the condition never held") -> None:
+    """Poll ``condition()`` until it is true; fails with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def greedy_tokens(model, ids: list[int], end_ids, n: int) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 
 from bitune.generation import generate_texts, render, render_messages
 from gen_helpers import save_checkpoint
-from serve_helpers import greedy_tokens, http, serving
+from serve_helpers import WAIT, greedy_tokens, http, serving, wait_until
 
 openai = pytest.importorskip("openai")
 PROMPTS = ["what is 2+2?", "name a color.", "hi", "add 3 and 4, then say why.", "list two animals",
@@ -65,7 +65,15 @@ def test_a_request_alone_and_among_eight_others_gives_the_same_tokens(server):
     alone = [_chat(client, p, max_tokens=n) for p, n in zip(PROMPTS, lengths)]
     sizes = []
     step = scheduler.model.decode_step
-    scheduler.model.decode_step = lambda state, pick: (sizes.append(state.ids.shape[0]), step(state, pick))[1]
+
+    def together_first(state, pick):  # the first step waits until every request has arrived: no timing
+        if not sizes:
+            wait_until(lambda: scheduler.running + scheduler.waiting == len(PROMPTS), WAIT,
+                       "the requests never all arrived")
+        sizes.append(state.ids.shape[0])
+        return step(state, pick)
+
+    scheduler.model.decode_step = together_first
     try:
         with futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(lambda pn: _chat(client, *pn[:1], max_tokens=pn[1]), zip(PROMPTS, lengths)))

@@ -16,7 +16,7 @@ import pytest
 from bitune.cli import main
 from bitune.commands.serve import api_key, exposure_warning
 from gen_helpers import save_checkpoint
-from serve_helpers import free_port, http, serving
+from serve_helpers import WAIT, free_port, held_steps, http, serving, submitted_jobs, wait_until
 
 openai = pytest.importorskip("openai")
 USER = [{"role": "user", "content": "hi"}]
@@ -117,25 +117,26 @@ def test_api_key(ckpt):
 
 
 def test_past_max_queue_a_request_gets_503_and_a_gone_client_frees_its_row(ckpt):
-    with serving(ckpt, max_batch_size=1, max_queue=1) as (url, scheduler, _):
-        step = scheduler.model.decode_step
-        scheduler.model.decode_step = lambda state, pick: (time.sleep(0.2), step(state, pick))[1]  # a slow model
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.chat.completions.create(**{**OK, "max_tokens": 100}, stream=True)  # >= 20 s alone
-        next(iter(stream))  # running
-        waiting = threading.Thread(target=lambda: client.chat.completions.create(**OK))  # 3 tokens
+    with serving(ckpt, max_batch_size=1, max_queue=1) as (url, scheduler, _), \
+            held_steps(scheduler) as (entered, release):
+        jobs = submitted_jobs(scheduler)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=WAIT)
+        stream = client.chat.completions.create(**{**OK, "max_tokens": 100}, extra_body={"ignore_eos": True},
+                                                stream=True)
+        assert entered.wait(WAIT)  # running, its steps held: it cannot end by itself
+        answers = []
+        waiting = threading.Thread(target=lambda: answers.append(client.chat.completions.create(**OK)))  # 3 tokens
         waiting.start()
-        deadline = time.monotonic() + 10
-        while scheduler.waiting < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: scheduler.waiting == 1, WAIT, "the second request never reached the queue")
         with pytest.raises(openai.APIStatusError) as refused:
             client.chat.completions.create(**OK)
         assert refused.value.status_code == 503 and refused.value.body["code"] == "queue_full"
-        closed = time.monotonic()
         stream.close()  # the client goes away: its row leaves at the next step, the waiting request runs
-        waiting.join(15)
-        assert not waiting.is_alive() and time.monotonic() - closed < 15  # long before the first could end
-        scheduler.model.decode_step = step
+        wait_until(lambda: jobs[0].cancelled, WAIT, "the server never cancelled the gone client's job")
+        release.set()
+        waiting.join(WAIT)
+        assert not waiting.is_alive() and answers[0].usage.completion_tokens >= 1
+        assert len(jobs[0].tokens) < 100  # the row left long before the first request could end
 
 
 def test_api_key_from_the_flag_or_the_environment(monkeypatch):
@@ -180,7 +181,7 @@ def test_sigterm_drains_and_exits_within_seconds(ckpt):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "bitune.cli", "serve", "--checkpoint", str(ckpt), "--port",
                              str(port), "--device", "cpu", "--threads", "1", "--served-model-name", "tiny",
-                             "--drain-seconds", "3"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--drain-seconds", str(WAIT)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -192,17 +193,15 @@ def test_sigterm_drains_and_exits_within_seconds(ckpt):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
-        answer = {}
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
-        t = threading.Thread(target=lambda: answer.update(r=client.chat.completions.create(**{**OK, "max_tokens": 60})))
-        t.start()
-        time.sleep(0.3)
-        start = time.monotonic()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=WAIT)
+        stream = client.chat.completions.create(**{**OK, "max_tokens": 60}, extra_body={"ignore_eos": True},
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = iter(stream)
+        assert next(chunks).choices[0].delta.role == "assistant"  # the opening chunk: the request is submitted
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
-        assert time.monotonic() - start < 10
-        t.join(10)
-        assert "r" in answer and answer["r"].usage.completion_tokens >= 1  # the answer under way was finished
+        rest = list(chunks)
+        assert proc.wait(WAIT) == 0  # drained, then exited (a hang fails here)
+        assert rest[-1].usage.completion_tokens == 60  # the answer under way was finished
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -4,17 +4,17 @@ alone with ``BituneModel.generate`` (the path ``bitune generate`` runs), for ful
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from bitune import BituneConfig, BituneModel
-from bitune.serve.scheduler import Job, QueueFull, Scheduler
+from bitune.serve.scheduler import Event, Job, QueueFull, Scheduler
 from conftest import EOS, perturb_adapters, tiny_model
 from serve_helpers import greedy_tokens
 
 PROMPTS = [[2, 5, 9, 11, 7], [2, 30, 31], [2, 8, 8, 8, 8, 9, 40, 41, 42], [2, 50, 13, 17], [2, 60, 6]]
+WAIT = 60  # seconds a job may take here at most (a hang fails the test instead of blocking the suite)
 
 
 class _Tok:
@@ -32,46 +32,56 @@ def _model(arch: str, variant: str = "bitune") -> BituneModel:
     return (perturb_adapters(model, scale=0.3) if variant != "pretrained" else model).eval()
 
 
-def _run(scheduler: Scheduler, jobs: list[Job], gap: float = 0.0) -> list[list[tuple]]:
-    events = [[] for _ in jobs]
-    done = [threading.Event() for _ in jobs]
-    for i, job in enumerate(jobs):
-        def emit(event, i=i):
-            events[i].append(event)
-            if event[0] != "text":
-                done[i].set()
+def _listen(jobs: list[Job]) -> tuple[list[list[Event]], list[threading.Event]]:
+    """Each job's events as they come, and a threading.Event per job, set at its final event."""
+    events, done = [[] for _ in jobs], [threading.Event() for _ in jobs]
+    for job, got, ended in zip(jobs, events, done):
+        def emit(event, got=got, ended=ended):
+            got.append(event)
+            if event.final:
+                ended.set()
         job.emit = emit
+    return events, done
+
+
+def _run(scheduler: Scheduler, jobs: list[Job]) -> list[list[Event]]:
+    """Submit the jobs at once; their events once every job has ended."""
+    events, done = _listen(jobs)
+    for job in jobs:
         scheduler.submit(job)
-        time.sleep(gap)
     for d in done:
-        assert d.wait(60), "a job never ended"
+        assert d.wait(WAIT), "a job never ended"
     return events
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_rows_joining_and_leaving_decode_what_each_prompt_decodes_alone(arch):
     model = _model(arch)
-    sizes = []
-    step = model.decode_step
-
-    def counting(state, pick):
-        sizes.append(state.ids.shape[0])
-        time.sleep(0.002)  # let later jobs arrive while earlier ones decode
-        return step(state, pick)
-
-    model.decode_step = counting
-    scheduler = Scheduler(model, _Tok(), max_batch_size=4, max_queue=8)
-    scheduler.start()
     lengths = [12, 3, 9, 15, 6]
     jobs = [Job(p, n, end_ids=frozenset()) for p, n in zip(PROMPTS, lengths)]
+    events, done = _listen(jobs)
+    sizes, step = [], model.decode_step
+    scheduler = Scheduler(model, _Tok(), max_batch_size=4, max_queue=8)
+
+    def arriving(state, pick):  # job i arrives during decoding step 2i (from the model's thread: no timing)
+        sizes.append(state.ids.shape[0])
+        if len(sizes) % 2 == 0 and len(sizes) // 2 < len(jobs):
+            scheduler.submit(jobs[len(sizes) // 2])
+        return step(state, pick)
+
+    model.decode_step = arriving
+    scheduler.start()
     try:
-        events = _run(scheduler, jobs, gap=0.01)
+        scheduler.submit(jobs[0])
+        for d in done:
+            assert d.wait(WAIT), "a job never ended"
     finally:
         scheduler.stop()
     for job, n, ev in zip(jobs, lengths, events):
-        assert ev[-1] == ("end", "length", len(job.prompt), n)
+        assert ev[-1] == Event("end", finish_reason="length", prompt_tokens=len(job.prompt), completion_tokens=n)
         assert job.tokens == greedy_tokens(model, job.prompt, [], n)
-    assert max(sizes) > 1 and len(set(sizes)) > 1  # rows really ran together, and joined/left between steps
+    assert sizes[:3] == [1, 1, 2]  # job 1 joined the running row between steps 2 and 3
+    assert max(sizes) == 4 and sizes[-1] == 1  # at most max_batch_size rows together; rows left as they ended
 
 
 def test_end_token_ends_a_row_and_is_not_text():
@@ -86,8 +96,9 @@ def test_end_token_ends_a_row_and_is_not_text():
     finally:
         scheduler.stop()
     first = ref.index(end)
-    assert job.tokens == ref[:first + 1] and events[-1] == ("end", "stop", len(PROMPTS[0]), first + 1)
-    assert "".join(e[1] for e in events if e[0] == "text") == _Tok().decode(ref[:first])
+    assert job.tokens == ref[:first + 1]
+    assert events[-1] == Event("end", finish_reason="stop", prompt_tokens=len(PROMPTS[0]), completion_tokens=first + 1)
+    assert "".join(e.text for e in events if e.kind == "text") == _Tok().decode(ref[:first])
 
 
 def test_trimmed_state_decodes_like_the_untrimmed_one():

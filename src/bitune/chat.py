@@ -31,6 +31,7 @@ from .generation import (
     pick_template,
     render_messages,
 )
+from .inputs import check_prompt_length
 
 MODES = ("recompute", "alternating")
 PAPER_STOP = "Question:"
@@ -189,8 +190,7 @@ class Conversation:
             ids = full_ids[len(prefix_ids):]
         else:
             ids = self.tokenizer(full[end:], add_special_tokens=False)["input_ids"]
-        if len(ids) < 2:
-            raise BituneError(f"the new turn {full[end:]!r} is shorter than 2 tokens")
+        check_prompt_length(len(ids), f"the new turn {full[end:]!r}")
         return ids
 
     def _split_answer(self, raw: str) -> tuple[str, str]:

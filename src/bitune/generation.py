@@ -19,7 +19,7 @@ from .data.collate import pad_id, pad_rows
 from .data.conversations import end_of_turn_id
 from .data.templates import instruction_example
 from .errors import BituneError
-from .inputs import context_room
+from .inputs import check_prompt_length, context_room
 
 
 # --------------------------------------------------------------------------------------------------- prompts
@@ -98,12 +98,11 @@ def encode(tokenizer, texts: list[str], add_special_tokens: bool, device=None,
 
 
 def pad_prompts(rows: list[list[int]], pad: int, device=None, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens (errors count prompts from 1, the
-    first of ``rows`` being number ``first + 1``)."""
+    """Left-padded (B, P) ids and mask of prompts, each at least 2 tokens
+    (:func:`~bitune.inputs.check_prompt_length`; errors count prompts from 1, the first of ``rows`` being number
+    ``first + 1``)."""
     for i, r in enumerate(rows):
-        if len(r) < 2:
-            raise BituneError(f"prompt {first + i + 1} has {len(r)} token(s); at least 2 are needed (both prompt "
-                              "passes read all but the last token, which opens the answer)")
+        check_prompt_length(len(r), f"prompt {first + i + 1}")
     return pad_rows(rows, pad, "left", device)
 
 

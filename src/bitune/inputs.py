@@ -33,18 +33,40 @@ def check_architecture(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers; unsupported architecture")
 
 
+MIN_PROMPT_TOKENS = 2
+"""A prompt's fewest tokens: both prompt passes read all but the last token, which opens the answer."""
+
+
+def check_prompt_length(prompt_tokens: int, what: str = "the prompt") -> None:
+    """The rule on one prompt's length, for callers holding token ids (a tokenized prompt, a server request).
+
+    Args:
+        prompt_tokens: the prompt's number of tokens.
+        what: names the prompt in the error. Default ``"the prompt"``.
+
+    Raises:
+        BituneError: fewer than :data:`MIN_PROMPT_TOKENS` tokens (names ``what`` and its length).
+    """
+    if prompt_tokens < MIN_PROMPT_TOKENS:
+        raise BituneError(f"{what} has {prompt_tokens} token(s); at least {MIN_PROMPT_TOKENS} are needed (both "
+                          "prompt passes read all but the last token, which opens the answer)")
+
+
 def check_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
-    """(B, P) left-padded prompts, each with at least 2 real tokens (the last one opens the answer)."""
+    """(B, P) left-padded prompts, each with at least :data:`MIN_PROMPT_TOKENS` real tokens."""
     if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
         raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
                          "must both be (batch, prompt_len)")
-    if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] < 2:
-        raise ValueError(f"prompts must hold at least 2 tokens, got shape {tuple(prompt_ids.shape)}")
+    if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] < MIN_PROMPT_TOKENS:
+        raise ValueError(f"prompts must hold at least {MIN_PROMPT_TOKENS} tokens, got shape "
+                         f"{tuple(prompt_ids.shape)}")
     if (prompt_mask.diff(dim=1) < 0).any() or not prompt_mask[:, -1].bool().all():
         raise ValueError("prompts must be left-padded: prompt_mask must be 0...0 1...1 in every row")
-    if (prompt_mask.sum(1) < 2).any():
-        rows = (prompt_mask.sum(1) < 2).nonzero().flatten().tolist()
-        raise ValueError(f"prompt rows {rows} have fewer than 2 real tokens (the last one opens the answer)")
+    short = prompt_mask.sum(1) < MIN_PROMPT_TOKENS  # (B,)
+    if short.any():
+        rows = short.nonzero().flatten().tolist()
+        raise ValueError(f"prompt rows {rows} have fewer than {MIN_PROMPT_TOKENS} real tokens (the last one opens "
+                         "the answer)")
 
 
 def check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask: torch.Tensor) -> None:
@@ -60,15 +82,31 @@ def check_answer(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, answer_mask
         raise ValueError("answers must be right-padded: answer_mask must be 1...1 0...0 in every row")
 
 
+def max_positions(text_config) -> int | None:
+    """The model's maximum position (prompt + answer): its config's ``max_position_embeddings``, or None if it
+    names none."""
+    limit = getattr(text_config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
 def context_room(text_config, prompt_tokens: int, requested: int, what: str = "the prompt") -> int:
     """New tokens that fit after ``prompt_tokens``: ``requested``, capped so that prompt + answer stay within the
-    model's ``max_position_embeddings`` (uncapped when the config names no limit).
+    model's ``max_position_embeddings`` (uncapped when the config names no limit; :func:`positions_room`).
 
     Raises:
         BituneError: the prompt alone fills the model's positions (names ``what``, its length and the limit).
     """
-    limit = getattr(text_config, "max_position_embeddings", None)
-    if not isinstance(limit, int):
+    return positions_room(max_positions(text_config), prompt_tokens, requested, what)
+
+
+def positions_room(limit: int | None, prompt_tokens: int, requested: int, what: str = "the prompt") -> int:
+    """New tokens that fit after ``prompt_tokens`` within ``limit`` positions (prompt + answer): ``requested``,
+    capped; uncapped when ``limit`` is None.
+
+    Raises:
+        BituneError: the prompt alone fills the ``limit`` positions (names ``what``, its length and the limit).
+    """
+    if limit is None:
         return requested
     if prompt_tokens >= limit:
         raise BituneError(f"{what} has {prompt_tokens} tokens, the model reads at most {limit} positions "

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import BituneError
+from ..inputs import MIN_PROMPT_TOKENS, check_prompt_length
 from .conversations import ChatExample, chat_token_ids, end_of_turn_id
 from .templates import Example
 
@@ -69,9 +70,9 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
 def _pack(prompt_ids: list[int], answer_ids: list[int], max_length: int,
           example: Example | ChatExample) -> dict | None:
     """The sample of ``example`` (``answer_ids`` already end with eos or end-of-turn), or None if too long."""
-    if len(prompt_ids) < 2:
+    if len(prompt_ids) < MIN_PROMPT_TOKENS:
         text = example.messages[:-1] if isinstance(example, ChatExample) else example.prompt
-        raise BituneError(f"example {example.id}: prompt {text!r} has {len(prompt_ids)} token(s), at least 2 are needed")
+        check_prompt_length(len(prompt_ids), f"example {example.id}: prompt {text!r}")
     if len(prompt_ids) + len(answer_ids) > max_length:
         return None
     return {"prompt_ids": prompt_ids, "answer_ids": answer_ids}

@@ -1,11 +1,15 @@
-"""The HTTP app of ``bitune serve`` (FastAPI): routes, the API key and body-size gate, requests turned into
-scheduler jobs, answers as JSON or server-sent events.
+"""The HTTP app of ``bitune serve`` (FastAPI): the routes, the API key and body-size gate, each request's job
+submitted to the scheduler and its events answered as JSON or server-sent events.
 
-The scheduler thread sends each job's events into the request's asyncio queue with
-``loop.call_soon_threadsafe``; the handler turns them into one response or a stream of OpenAI chunks ending
-``data: [DONE]``. A client that goes away cancels its job. Prompts are written exactly as ``bitune generate``
-writes them (:func:`bitune.generation.render_messages`, the checkpoint's recorded template); ``/v1/completions``
-takes the text as given (template ``none``).
+A route checks the model's name, tokenizes the prompt (:class:`Served`), lets the body turn itself into a
+scheduler job (``to_job`` of :mod:`bitune.serve.protocol`, which also checks the prompt's length and room) and
+submits it (:func:`_submit`). The job's events come back through one async iterator (:func:`_events`): the
+scheduler thread puts each into the request's asyncio queue (``loop.call_soon_threadsafe``), the iterator
+yields them up to the last one and stops early, cancelling the job, when the client goes away. A streaming
+request turns them into OpenAI chunks ending ``data: [DONE]`` (:func:`_sse`); any other joins them into one
+answer (:func:`_join`). Prompts are written exactly as ``bitune generate`` writes them
+(:func:`bitune.generation.render_messages`, the checkpoint's recorded template); ``/v1/completions`` takes the
+text as given (template ``none``).
 """
 
 from __future__ import annotations
@@ -13,24 +17,26 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import BituneError
-from ..generation import end_of_turn_ids, max_new_tokens_for, render, render_messages
+from ..generation import end_of_turn_ids, render, render_messages
+from ..inputs import max_positions
 from . import protocol as api
-from .scheduler import Job, QueueFull, Scheduler, SchedulerDown
+from .scheduler import Event, Job, QueueFull, Scheduler, SchedulerDown
+
+__all__ = ["Served", "create_app", "Gate", "MAX_BODY_BYTES"]
 
 MAX_BODY_BYTES = 1 << 20
 """Default limit on a request body (1 MiB); larger bodies get 413."""
-COMPLETION_DEFAULT_TOKENS = 16
-"""``/v1/completions`` without ``max_tokens`` generates at most this many tokens (OpenAI's default)."""
-FALLBACK_MAX_TOKENS = 4096
-"""A chat request without ``max_tokens`` may fill the model's context, or this many tokens if it names none."""
 
 
 @dataclass
@@ -58,10 +64,16 @@ class Served:
     template: str
 
     def __post_init__(self):
-        limit = getattr(self.model.text_config, "max_position_embeddings", None)
-        self.context = limit if isinstance(limit, int) else None
+        self.context = max_positions(self.model.text_config)
         self.end_ids = {t: frozenset(end_of_turn_ids(self.tokenizer, self.model, t))
                         for t in {self.template, "none"}}
+
+    def check_model(self, name: str) -> None:
+        """Raises :class:`~bitune.serve.protocol.APIError` 404 (``model_not_found``) unless ``name`` is
+        :attr:`name`."""
+        if name != self.name:
+            raise api.APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
+                               "model", code="model_not_found")
 
     def chat_prompt(self, turns: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat request, written with the checkpoint's template.
@@ -112,43 +124,6 @@ class Served:
             raise api.APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
         return list(prompt)
 
-    def job(self, body, prompt: list[int], default_tokens: int | None, template: str) -> Job:
-        """The scheduler job of a request, after the checks that need the prompt's length.
-
-        Args:
-            body: the request (``ChatRequest`` or ``CompletionRequest`` of :mod:`bitune.serve.protocol`).
-            prompt: the prompt's token ids (:meth:`chat_prompt` or :meth:`completion_prompt`).
-            default_tokens: the cap on new tokens when the request names none (None: up to the model's
-                maximum position, or ``FALLBACK_MAX_TOKENS`` when the model names none).
-            template: which of :attr:`end_ids` ends the answer (unless the request sets ``ignore_eos``).
-
-        Returns:
-            The job, its ``max_tokens`` capped so that prompt + answer fit the model's positions.
-
-        Raises:
-            bitune.serve.protocol.APIError: 400 when the prompt has fewer than 2 tokens, fills the model's
-                positions already, or leaves less room than the request's explicit ``max_tokens`` /
-                ``max_completion_tokens`` (``context_length_exceeded``).
-        """
-        param = "prompt" if isinstance(body, api.CompletionRequest) else "messages"
-        if len(prompt) < 2:
-            raise api.APIError(400, f"{param}: the prompt has {len(prompt)} token(s); at least 2 are needed (both "
-                               "prompt passes read all but the last token, which opens the answer)", param)
-        asked = body.limit
-        try:  # the library's rule: prompt + answer within the model's positions
-            limit = max_new_tokens_for(self.model, len(prompt), next(
-                x for x in (asked, default_tokens, self.context, FALLBACK_MAX_TOKENS) if x is not None))
-        except BituneError as e:
-            raise api.APIError(400, f"{param}: {e}", param, code="context_length_exceeded") from e
-        if asked is not None and limit < asked:  # an explicit cap that does not fit is refused, as OpenAI does
-            name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-            raise api.APIError(400, f"{name}: {asked} tokens do not fit: the prompt has {len(prompt)} tokens and "
-                               f"the model reads at most {self.context} positions (at most {limit} more)", name,
-                               code="context_length_exceeded")
-        return Job(prompt=prompt, max_tokens=limit, temperature=body.temperature, top_p=body.top_p,
-                   seed=body.seed, stop=body.stop,
-                   end_ids=frozenset() if body.ignore_eos else self.end_ids[template])
-
 
 def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> Gate:
@@ -170,165 +145,210 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
     Returns:
         The app, to run with an ASGI server (uvicorn).
     """
-
-    @asynccontextmanager
-    async def lifespan(app):
-        scheduler.start()
-        yield
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
-
-    app = FastAPI(title="bitune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(api.APIError)
-    async def _api_error(request, e: api.APIError):
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        err = api.validation_error(list(e.errors()))
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request, e: Exception):
-        return JSONResponse(api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
-
-    @app.exception_handler(400)
-    async def _unparsable(request, e):  # FastAPI could not decode the body (not UTF-8)
-        return JSONResponse(api.error_body("the body is not valid JSON: it could not be decoded as UTF-8",
-                                           code="invalid_json"), 400)
-
-    @app.exception_handler(404)
-    async def _not_found(request, e):
-        return JSONResponse(api.error_body(f"no route {request.method} {request.url.path}", code="not_found"), 404)
-
-    @app.exception_handler(405)
-    async def _not_allowed(request, e):
-        return JSONResponse(api.error_body(f"{request.method} is not allowed on {request.url.path}",
-                                           code="method_not_allowed"), 405)
-
-    @app.get("/health")
-    async def health():
-        if not scheduler.healthy:
-            return JSONResponse({"status": "down", "error": scheduler.failure or "the model's thread is not running"},
-                                503)
-        return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "bitune"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: api.ChatRequest, request: Request):
-        _check_model(body.model)
-        body.check()
-        job = served.job(body, served.chat_prompt(body.turns()), None, served.template)
-        rid, name = api.new_id("chatcmpl"), served.name
-        if body.stream:
-            return _stream(request, job, body.include_usage,
-                           opening=api.chat_chunk(rid, name, {"role": "assistant", "content": ""}),
-                           chunk=lambda text, finish: api.chat_chunk(rid, name, {"content": text} if text else {},
-                                                                     finish),
-                           usage_chunk=lambda used: api.chat_chunk(rid, name, None, used=used))
-        text, finish, used = await _collect(request, job)
-        return api.chat_response(rid, name, text, finish, used)
-
-    @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest, request: Request):
-        _check_model(body.model)
-        body.check()
-        job = served.job(body, served.completion_prompt(body.prompt), COMPLETION_DEFAULT_TOKENS, "none")
-        rid, name = api.new_id("cmpl"), served.name
-        if body.stream:
-            return _stream(request, job, body.include_usage, opening=None,
-                           chunk=lambda text, finish: api.completion_chunk(rid, name, text, finish),
-                           usage_chunk=lambda used: api.completion_chunk(rid, name, None, used=used))
-        text, finish, used = await _collect(request, job)
-        return api.completion_response(rid, name, text, finish, used)
-
-    def _check_model(name: str) -> None:
-        if name != served.name:
-            raise api.APIError(404, f"the model {name!r} does not exist; this server serves {served.name!r}",
-                               "model", code="model_not_found")
-
-    def _submit(job: Job) -> asyncio.Queue:
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-
-        def emit(event):  # called from the scheduler thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is closed: nobody listens any more
-                job.cancel()
-
-        job.emit = emit
-        try:
-            scheduler.submit(job)
-        except SchedulerDown as e:
-            raise api.APIError(503, f"the server cannot generate: {e}", type="server_error",
-                               code="server_down") from e
-        except QueueFull as e:
-            raise api.APIError(503, f"the server is busy: {e}; retry later", type="server_error",
-                               code="queue_full") from e
-        return queue
-
-    async def _collect(request: Request, job: Job):
-        queue = _submit(job)
-        parts = []
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            while True:
-                event = await _next_event(queue, gone)
-                if event is None:
-                    job.cancel()
-                    raise api.APIError(499, "the client closed the request")
-                if event[0] == "text":
-                    parts.append(event[1])
-                elif event[0] == "end":
-                    return "".join(parts), event[1], api.usage(event[2], event[3])
-                else:
-                    raise api.APIError(500, event[1], type="server_error", code="generation_failed")
-        finally:
-            gone.cancel()
-            job.cancel()  # no-op once the job ended; a cancelled handler frees the row
-
-    def _stream(request: Request, job: Job, include_usage: bool, opening, chunk, usage_chunk) -> StreamingResponse:
-        """Server-sent events: ``opening`` (if any), one ``chunk(text, None)`` per text delta, ``chunk("", finish)``,
-        the ``usage_chunk`` if asked for, ``data: [DONE]``."""
-        queue = _submit(job)
-
-        def sse(obj) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
-        async def events():
-            gone = asyncio.ensure_future(_disconnected(request))
-            try:
-                if opening is not None:
-                    yield sse(opening)
-                while True:
-                    event = await _next_event(queue, gone)
-                    if event is None:  # the client went away: its row leaves at the next step
-                        return
-                    if event[0] == "text":
-                        yield sse(chunk(event[1], None))
-                    elif event[0] == "end":
-                        yield sse(chunk("", event[1]))
-                        if include_usage:
-                            yield sse(usage_chunk(api.usage(event[2], event[3])))
-                        break
-                    else:
-                        yield sse(api.error_body(event[1], type="server_error", code="generation_failed"))
-                        break
-                yield "data: [DONE]\n\n"
-            finally:
-                gone.cancel()
-                job.cancel()
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+    app = FastAPI(title="bitune serve", lifespan=_lifespan, exception_handlers=_ERROR_HANDLERS, docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.served, app.state.scheduler = served, scheduler
+    app.include_router(_router)
     return Gate(app, api_key, max_body_bytes)
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    scheduler = app.state.scheduler
+    scheduler.start()
+    yield
+    await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+
+# ------------------------------------------------------------------------------------------------------ routes
+def _served(request: Request) -> Served:
+    return request.app.state.served
+
+
+def _scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler
+
+
+ServedDep = Annotated[Served, Depends(_served)]
+SchedulerDep = Annotated[Scheduler, Depends(_scheduler)]
+_router = APIRouter()
+
+
+@_router.get("/health")
+async def health(scheduler: SchedulerDep):
+    if not scheduler.healthy:
+        return JSONResponse({"status": "down", "error": scheduler.failure or "the model's thread is not running"},
+                            503)
+    return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
+
+
+@_router.get("/v1/models")
+async def models(served: ServedDep):
+    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "bitune"}]}
+
+
+@_router.post("/v1/chat/completions")
+async def chat(body: api.ChatRequest, request: Request, served: ServedDep, scheduler: SchedulerDep):
+    served.check_model(body.model)
+    job = body.to_job(served.chat_prompt(body.turns()), served.context, served.end_ids[served.template])
+    events = _submit(scheduler, job, request)
+    rid = api.new_id("chatcmpl")
+    chunk = partial(api.chat_chunk, rid, served.name)
+    if body.stream:
+        return _stream(events, chunk, body.include_usage, opening=chunk("", opening=True))
+    text, end = await _join(events)
+    return api.chat_response(rid, served.name, text, end.finish_reason, _usage(end))
+
+
+@_router.post("/v1/completions")
+async def completions(body: api.CompletionRequest, request: Request, served: ServedDep, scheduler: SchedulerDep):
+    served.check_model(body.model)
+    job = body.to_job(served.completion_prompt(body.prompt), served.context, served.end_ids["none"])
+    events = _submit(scheduler, job, request)
+    rid = api.new_id("cmpl")
+    if body.stream:
+        return _stream(events, partial(api.completion_chunk, rid, served.name), body.include_usage)
+    text, end = await _join(events)
+    return api.completion_response(rid, served.name, text, end.finish_reason, _usage(end))
+
+
+# ------------------------------------------------------------------------------------------------------ events
+def _submit(scheduler: Scheduler, job: Job, request: Request) -> AsyncIterator[Event]:
+    """Queue ``job`` now, before any answer starts, and return its events (:func:`_events`).
+
+    Raises:
+        bitune.serve.protocol.APIError: 503 ``queue_full`` (past ``--max-queue``, or shutting down) or
+            ``server_down`` (the scheduler thread stopped after a failure).
+    """
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+    def emit(event: Event) -> None:  # called from the scheduler thread
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            job.cancel()
+
+    job.emit = emit
+    try:
+        scheduler.submit(job)
+    except SchedulerDown as e:
+        raise api.APIError(503, f"the server cannot generate: {e}", type="server_error", code="server_down") from e
+    except QueueFull as e:
+        raise api.APIError(503, f"the server is busy: {e}; retry later", type="server_error",
+                           code="queue_full") from e
+    return _events(job, queue, request)
+
+
+async def _events(job: Job, queue: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
+    """The job's events, up to its final one (``end`` or ``error``); stops early when the client goes away (the
+    ASGI ``http.disconnect``). Leaving, either way, cancels the job (a no-op once it ended): a gone client's row
+    leaves the batch at the next step."""
+    gone, get = asyncio.ensure_future(_disconnected(request)), None
+    try:
+        while not gone.done():
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                return
+            event = get.result()
+            yield event
+            if event.final:
+                return
+    finally:
+        for task in (get, gone):
+            if task is not None:
+                task.cancel()
+        job.cancel()
+
+
+async def _join(events: AsyncIterator[Event]) -> tuple[str, Event]:
+    """The non-streaming answer: the text deltas joined, and the ``end`` event.
+
+    Raises:
+        bitune.serve.protocol.APIError: 500 ``generation_failed`` on an ``error`` event; 499 when the client went
+            away first.
+    """
+    parts, final = [], None
+    async for event in events:  # to the iterator's own end: it stops after the final event
+        if event.final:
+            final = event
+        else:
+            parts.append(event.text)
+    if final is None:
+        raise api.APIError(499, "the client closed the request")
+    if final.kind == "error":
+        raise api.APIError(500, final.text, type="server_error", code="generation_failed")
+    return "".join(parts), final
+
+
+def _stream(events: AsyncIterator[Event], chunk: Callable[..., dict], include_usage: bool,
+            opening: dict | None = None) -> StreamingResponse:
+    return StreamingResponse(_sse(events, chunk, include_usage, opening), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse(events: AsyncIterator[Event], chunk: Callable[..., dict], include_usage: bool,
+               opening: dict | None) -> AsyncIterator[str]:
+    """Server-sent events: ``opening`` (if any), ``chunk(text)`` per text delta, ``chunk("", finish_reason)`` at the
+    end and the usage chunk ``chunk(None, used=...)`` if asked for, or an OpenAI error object on an ``error``
+    event; then ``data: [DONE]``. A client gone gets nothing more."""
+    async with aclosing(events):
+        if opening is not None:
+            yield _data(opening)
+        async for event in events:
+            if event.kind == "text":
+                yield _data(chunk(event.text))
+            elif event.kind == "end":
+                yield _data(chunk("", event.finish_reason))
+                if include_usage:
+                    yield _data(chunk(None, used=_usage(event)))
+            else:
+                yield _data(api.error_body(event.text, type="server_error", code="generation_failed"))
+            if event.final:
+                yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(end: Event) -> dict:
+    return api.usage(end.prompt_tokens, end.completion_tokens)
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+async def _api_error(request: Request, e: api.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    err = api.validation_error(list(e.errors()))
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    return JSONResponse(api.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
+
+
+async def _undecodable(request: Request, e) -> JSONResponse:  # FastAPI could not decode the body (not UTF-8)
+    return JSONResponse(api.error_body("the body is not valid JSON: it could not be decoded as UTF-8",
+                                       code="invalid_json"), 400)
+
+
+async def _not_found(request: Request, e) -> JSONResponse:
+    return JSONResponse(api.error_body(f"no route {request.method} {request.url.path}", code="not_found"), 404)
+
+
+async def _not_allowed(request: Request, e) -> JSONResponse:
+    return JSONResponse(api.error_body(f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"), 405)
+
+
+_ERROR_HANDLERS = {api.APIError: _api_error, RequestValidationError: _invalid, Exception: _unexpected,
+                   400: _undecodable, 404: _not_found, 405: _not_allowed}
+
+
+# -------------------------------------------------------------------------------------------------------- gate
 class Gate:
     """ASGI middleware in front of the app: the API key (``/v1/*``; ``/health`` stays open), then the body size,
     both checked before the body is parsed.
@@ -387,7 +407,11 @@ async def _send_error(send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-__all__ = ["Served", "create_app", "Gate", "MAX_BODY_BYTES"]
+async def _send_error(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
 
 
 async def _disconnected(request: Request) -> None:
@@ -395,15 +419,3 @@ async def _disconnected(request: Request) -> None:
     ``http.disconnect`` (no polling)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _next_event(queue: asyncio.Queue, gone: asyncio.Future):
-    """The scheduler's next event for this request, or None once ``gone`` (the client's disconnect) is done."""
-    if gone.done():
-        return None
-    get = asyncio.ensure_future(queue.get())
-    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-        return get.result()
-    get.cancel()
-    return None

@@ -1,5 +1,6 @@
-"""The HTTP shapes of ``bitune serve``: OpenAI request bodies (pydantic, strict), the OpenAI error object and the
-response and stream-chunk objects. No model code here.
+"""The HTTP shapes of ``bitune serve``: OpenAI request bodies (pydantic, strict), each checked whole on
+validation and turned into a scheduler :class:`~bitune.serve.scheduler.Job` by its ``to_job``; the OpenAI error
+object; the response and stream-chunk objects. No model code here: the prompt comes tokenized.
 
 A request field the server does not implement is refused with a 400 that names it (never silently ignored):
 unknown fields, ``n`` other than 1, ``logprobs``, non-zero penalties, batched prompts.
@@ -9,15 +10,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import BituneError
 from ..files import check_text
+from ..inputs import check_prompt_length, positions_room
+from .scheduler import Job
 
 MAX_STOPS = 4
 """Stop strings per request (OpenAI's limit)."""
+COMPLETION_DEFAULT_TOKENS = 16
+"""``/v1/completions`` without ``max_tokens`` generates at most this many tokens (OpenAI's default)."""
+FALLBACK_MAX_TOKENS = 4096
+"""A chat request without ``max_tokens`` may fill the model's context, or this many tokens if it names none."""
 
 
 class APIError(Exception):
@@ -38,6 +45,15 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class InvalidField(ValueError):
+    """A check across fields failed (raised in a request's ``model_validator``); ``param`` names the field
+    answered as OpenAI's ``param``, which pydantic's location (the whole body) cannot."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
@@ -45,6 +61,9 @@ def validation_error(errors: list[dict]) -> APIError:
     """A 400 naming the field of the first of pydantic's/FastAPI's validation ``errors``; a check of ours
     (``value_error``) comes first: where a union's other member fails on the type, ours is the one that matched."""
     e = next((x for x in errors if x.get("type") == "value_error"), errors[0])
+    cause = e.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidField):
+        return APIError(400, str(cause), cause.param)
     loc = [str(x) for x in e.get("loc", ())][1:]  # drop "body"
     if e.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
@@ -109,7 +128,12 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints, and the request turned into a scheduler job."""
+
+    _prompt_param: ClassVar[str]
+    """The field that holds the prompt (OpenAI's ``param`` of errors about it)."""
+    _default_tokens: ClassVar[int | None] = None
+    """The cap on new tokens when the request names none (None: up to the model's maximum position)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -153,35 +177,91 @@ class _Sampling(_Strict):
             raise ValueError("penalties are not supported (only 0)")
         return v
 
-    def check(self) -> None:
-        """Checks across fields; raises :class:`APIError` naming the field."""
+    @model_validator(mode="after")
+    def _usage_only_streamed(self):
         if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
+            raise InvalidField("stream_options", "only allowed with stream=true")
+        return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def limit(self) -> int | None:
+        """The request's explicit cap on new tokens, if any."""
+        return self.max_tokens
+
+    @property
+    def _limit_param(self) -> str:
+        return "max_tokens"
+
+    def to_job(self, prompt: list[int], context: int | None, end_ids: frozenset[int]) -> Job:
+        """The scheduler job of this request, once its prompt is tokenized.
+
+        Args:
+            prompt: the prompt's token ids.
+            context: the model's maximum position (prompt + answer), or None if it names none.
+            end_ids: the token ids that end the answer (not used with ``ignore_eos``).
+
+        Returns:
+            The job, its ``max_tokens`` the request's cap (or the endpoint's default, or the model's room) capped
+            so that prompt + answer fit the model's positions.
+
+        Raises:
+            APIError: 400 when the prompt is too short (:func:`bitune.inputs.check_prompt_length`), fills the
+                model's positions already, or leaves less room than the request's explicit ``max_tokens`` /
+                ``max_completion_tokens`` (``context_length_exceeded``).
+        """
+        param = self._prompt_param
+        try:
+            check_prompt_length(len(prompt))
+        except BituneError as e:
+            raise APIError(400, f"{param}: {e}", param) from e
+        asked = self.limit
+        wanted = next(x for x in (asked, self._default_tokens, context, FALLBACK_MAX_TOKENS) if x is not None)
+        try:  # the library's rule: prompt + answer within the model's positions
+            room = positions_room(context, len(prompt), wanted)
+        except BituneError as e:
+            raise APIError(400, f"{param}: {e}", param, code="context_length_exceeded") from e
+        if asked is not None and room < asked:  # an explicit cap that does not fit is refused, as OpenAI does
+            name = self._limit_param
+            raise APIError(400, f"{name}: {asked} tokens do not fit: the prompt has {len(prompt)} tokens and the "
+                           f"model reads at most {context} positions (at most {room} more)", name,
+                           code="context_length_exceeded")
+        return Job(prompt=prompt, max_tokens=room, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                   stop=self.stop or [], end_ids=frozenset() if self.ignore_eos else end_ids)
+
 
 class ChatRequest(_Sampling):
     """``POST /v1/chat/completions``."""
+
+    _prompt_param = "messages"
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: Literal[False] | None = None
 
-    def check(self) -> None:
-        super().check()
+    @model_validator(mode="after")
+    def _user_last(self):
         if self.messages[-1].role != "user":
-            raise APIError(400, f"messages[{len(self.messages) - 1}].role: the last message must be the user's",
-                           f"messages[{len(self.messages) - 1}].role")
+            raise InvalidField(f"messages[{len(self.messages) - 1}].role", "the last message must be the user's")
+        return self
+
+    @model_validator(mode="after")
+    def _one_cap(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise APIError(400, "max_completion_tokens: disagrees with max_tokens; give one", "max_completion_tokens")
+            raise InvalidField("max_completion_tokens", "disagrees with max_tokens; give one")
+        return self
 
     @property
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def _limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def turns(self) -> list[dict[str, str]]:
         """The messages as ``{"role", "content"}`` dicts (``developer`` read as ``system``)."""
@@ -190,6 +270,9 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, text or token ids, taken as given."""
+
+    _prompt_param = "prompt"
+    _default_tokens = COMPLETION_DEFAULT_TOKENS
 
     prompt: Text | list[int] | list[Text] = Field(min_length=1)
     logprobs: None = None
@@ -203,10 +286,6 @@ class CompletionRequest(_Sampling):
                 raise ValueError("one prompt per request (a list of prompts is not supported)")
             return v[0]
         return v
-
-    @property
-    def limit(self) -> int | None:
-        return self.max_tokens
 
 
 # --------------------------------------------------------------------------------------------------- responses
@@ -225,9 +304,12 @@ def chat_response(id: str, model: str, text: str, finish: str, used: dict) -> di
                          "finish_reason": finish}], "usage": used}
 
 
-def chat_chunk(id: str, model: str, delta: dict | None, finish: str | None = None, used: dict | None = None) -> dict:
-    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+def chat_chunk(id: str, model: str, text: str | None, finish: str | None = None, used: dict | None = None,
+               opening: bool = False) -> dict:
+    """A ``chat.completion.chunk`` of a text delta; ``text=None`` makes the usage-only chunk (no choices),
+    ``opening`` the first chunk (the assistant's role, no text)."""
+    delta = {"role": "assistant", "content": ""} if opening else {"content": text} if text else {}
+    choices = [] if text is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     return {"id": id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": choices, "usage": used}
 
@@ -239,6 +321,7 @@ def completion_response(id: str, model: str, text: str, finish: str, used: dict)
 
 def completion_chunk(id: str, model: str, text: str | None, finish: str | None = None,
                      used: dict | None = None) -> dict:
+    """A ``text_completion`` chunk of a text delta; ``text=None`` makes the usage-only chunk (no choices)."""
     choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
     return {"id": id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": used}

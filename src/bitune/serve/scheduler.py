@@ -9,8 +9,8 @@ picks every row's next token with that row's own sampling settings and generator
 budget, or its client gone. The model code is the library's; this module only decides which rows run when.
 
 Requests talk to the scheduler through a :class:`Job`: the HTTP side fills in what to generate and an ``emit``
-callback (thread-safe), the scheduler calls ``emit`` with events: ``("text", delta)``, then
-``("end", finish_reason, prompt_tokens, completion_tokens)`` or ``("error", message)``.
+callback (thread-safe), the scheduler calls ``emit`` with each :class:`Event`: text deltas, then one ``end`` or
+``error``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers.generation.logits_process import TopPLogitsWarper
@@ -39,18 +40,44 @@ class SchedulerDown(QueueFull):
     """The scheduler thread has stopped after a failure it could not recover from: no request can be served."""
 
 
+@dataclass(frozen=True)
+class Event:
+    """What the scheduler sends a request: text deltas, then exactly one ``end`` or ``error``.
+
+    Attributes:
+        kind: ``"text"`` (a delta of the answer), ``"end"`` (the answer is complete) or ``"error"`` (it failed).
+        text: the delta (``text``), or what failed (``error``).
+        finish_reason: why the answer ended (``end``): ``"stop"`` (an end token or a stop string) or ``"length"``
+            (its ``max_tokens``).
+        prompt_tokens: the prompt's tokens (``end``).
+        completion_tokens: the tokens generated (``end``).
+    """
+
+    kind: Literal["text", "end", "error"]
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def final(self) -> bool:
+        """Whether this event ends the request (``end`` or ``error``)."""
+        return self.kind != "text"
+
+
 @dataclass
 class Job:
     """One request: what to generate and where its events go.
 
     Attributes:
-        prompt: the prompt's token ids (at least 2).
+        prompt: the prompt's token ids (at least 2: the caller checked,
+            :func:`~bitune.inputs.check_prompt_length`).
         max_tokens: cap on generated tokens (the caller checked that prompt + answer fit the model).
         temperature: 0 is greedy; else softmax(logits / temperature) is sampled.
         top_p: nucleus mass kept when sampling (transformers' ``TopPLogitsWarper``).
         seed: seeds this request's own generator (None: a random seed).
         stop: stop strings; the text is cut before the first one, which is never sent.
-        emit: called from the scheduler thread with each event (see the module docstring).
+        emit: called from the scheduler thread with each :class:`Event`.
         end_ids: token ids that end the answer (eos, end of turn).
     """
 
@@ -60,7 +87,7 @@ class Job:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    emit: Callable[[tuple], None] = lambda event: None
+    emit: Callable[[Event], None] = lambda event: None
     end_ids: frozenset[int] = frozenset()
     cancelled: bool = False
     tokens: list[int] = field(default_factory=list)
@@ -104,7 +131,7 @@ class _Row:
         done = ended or len(job.tokens) >= job.max_tokens
         delta = self.text.update(text if done else text.rstrip("\ufffd"), end=done)  # hold a partial character
         if delta:
-            _emit(job, ("text", delta))
+            _emit(job, Event("text", delta))
         if ended or self.text.stopped:
             return "stop"
         return "length" if done else None
@@ -203,7 +230,7 @@ class Scheduler:
                         log.exception("a scheduler round failed")
                         ended = {id(r.job) for r in self._rows}
                         for job in [*(r.job for r in self._rows), *(j for j in admit if id(j) not in ended)]:
-                            _emit(job, ("error", f"generation failed: {type(e).__name__}: {e}"))
+                            _emit(job, Event("error", f"generation failed: {type(e).__name__}: {e}"))
                         self._rows, self._state = [], None
         except BaseException as e:
             log.exception("the scheduler thread stopped")
@@ -214,7 +241,7 @@ class Scheduler:
                 left = [*self._waiting, *(r.job for r in self._rows)]
                 self._waiting.clear()
             for job in left:
-                _emit(job, ("error", message))
+                _emit(job, Event("error", message))
             self._rows, self._state = [], None
 
     def _admit(self, jobs: list[Job]) -> None:
@@ -225,7 +252,7 @@ class Scheduler:
         except Exception as e:  # a failing prompt must not take the running rows down
             log.exception("prefill failed")
             for job in jobs:
-                _emit(job, ("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
+                _emit(job, Event("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
             return
         self._state = new if self._state is None else Prefill.concat([self._state, new])
         self._rows += [_Row(j, self.tokenizer, self.device) for j in jobs]
@@ -243,7 +270,8 @@ class Scheduler:
         for i, (row, token) in enumerate(zip(self._rows, picked)):
             finish = None if row.job.cancelled else row.add(token)
             if finish is not None:
-                _emit(row.job, ("end", finish, len(row.job.prompt), len(row.job.tokens)))
+                _emit(row.job, Event("end", finish_reason=finish, prompt_tokens=len(row.job.prompt),
+                                     completion_tokens=len(row.job.tokens)))
             elif not row.job.cancelled:
                 keep.append(i)
         if len(keep) < len(self._rows):
@@ -251,7 +279,7 @@ class Scheduler:
             self._state = self._state.select(torch.tensor(keep, device=self.device)).trimmed() if keep else None
 
 
-def _emit(job: Job, event: tuple) -> None:
+def _emit(job: Job, event: Event) -> None:
     """Send an event; a failing callback (its client gone) cancels that request only: its row leaves the batch
     at the next step and the other requests go on."""
     try:
