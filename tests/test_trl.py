@@ -12,7 +12,6 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from bitune import BituneConfig, BituneModel
 from bitune.data import load_examples, tokenize_dataset
@@ -23,7 +22,6 @@ from bitune.loading import load_bitune
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import build_trainer, run_training
 from bitune.trl import BituneSFTTrainer, TrainerModel
-from bitune.trl.rows import split_batch
 from conftest import tiny_model
 from eval_helpers import tiny_tokenizer
 from test_conversations import CONVERSATION, chat_tokenizer
@@ -49,8 +47,9 @@ def test_prompt_completion_rows_are_tokenized_as_bitune_train_does(tmp_path):
     trainer = sft_trainer(str(tmp_path / "out"))
     expected = bitune_samples(tmp_path, rows(), tiny_tokenizer())
     got = trainer.train_dataset
-    assert got["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in expected]
-    assert got["labels"] == [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in expected]
+    assert got.column_names == ["prompt_ids", "answer_ids"]  # kept apart, not re-tokenized by TRL
+    assert got["prompt_ids"] == [s["prompt_ids"] for s in expected]
+    assert got["answer_ids"] == [s["answer_ids"] for s in expected]
     assert all(s["answer_ids"][-1] == tiny_tokenizer().eos_token_id for s in expected)
     assert trainer.bitune_model.config.template == "none"
 
@@ -71,23 +70,26 @@ def test_conversations_are_rendered_as_bitune_train_renders_them(tmp_path, kind)
     for fmt, train_rows in data.items():
         trainer = sft_trainer(str(tmp_path / fmt), train_rows, model=model, tokenizer=tok, max_length=512)
         got = trainer.train_dataset
-        assert got["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in expected], fmt
-        assert got["labels"] == [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in expected], fmt
+        assert got["prompt_ids"] == [s["prompt_ids"] for s in expected], fmt
+        assert got["answer_ids"] == [s["answer_ids"] for s in expected], fmt
         assert trainer.bitune_model.config.template == "chat"
 
 
-def test_split_batch_gives_the_collators_batch():
-    """TRL's right-padded prompt+answer rows split into exactly what bitune train's Collator pads."""
-    tok = tiny_tokenizer()
-    samples = tokenize_dataset(tok, [Example(r["prompt"], r["completion"], template="none") for r in rows(5)])[0]
-    trl_batch = {"input_ids": [s["prompt_ids"] + s["answer_ids"] for s in samples],
-                 "labels": [[-100] * len(s["prompt_ids"]) + s["answer_ids"] for s in samples]}
-    collated = DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)(
-        [dict(zip(trl_batch, v)) for v in zip(*trl_batch.values())])
-    got = split_batch(collated["input_ids"], collated["attention_mask"], collated["labels"], tok.pad_token_id)
-    expected = Collator(pad_id(tok))(samples)
-    for name, tensor in zip(("prompt_ids", "prompt_mask", "answer_ids", "answer_mask"), got):
-        assert torch.equal(tensor, expected[name]), name
+def batch_order(trainer, batch) -> list[int]:
+    """The training rows a batch holds, by their (unique) prompts."""
+    prompts = trainer.train_dataset["prompt_ids"]
+    return [prompts.index(ids[mask.bool()].tolist()) for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"])]
+
+
+def test_trainer_batches_are_the_collators_batches(tmp_path):
+    """TRL's data loader hands the trainer exactly what bitune train's Collator pads from the same samples:
+    left-padded prompts and right-padded answers, nothing else."""
+    trainer = sft_trainer(str(tmp_path / "out"), per_device_train_batch_size=5)
+    samples = tokenize_dataset(tiny_tokenizer(), [Example(r["prompt"], r["completion"], template="none")
+                                                  for r in rows()])[0]
+    for batch in trainer.get_train_dataloader():
+        expected = Collator(pad_id(tiny_tokenizer()))([samples[i] for i in batch_order(trainer, batch)])
+        assert_same(dict(batch), expected, atol=0)
 
 
 def test_rows_longer_than_max_length_are_dropped_not_truncated(tmp_path):
@@ -96,19 +98,20 @@ def test_rows_longer_than_max_length_are_dropped_not_truncated(tmp_path):
     trainer = sft_trainer(str(tmp_path / "out"), max_length=limit)
     kept = [s for s in samples if len(s["prompt_ids"]) + len(s["answer_ids"]) <= limit]
     assert 0 < len(kept) < len(rows()) and trainer.dropped == len(rows()) - len(kept)
-    assert trainer.train_dataset["input_ids"] == [s["prompt_ids"] + s["answer_ids"] for s in kept]
+    assert trainer.train_dataset["prompt_ids"] == [s["prompt_ids"] for s in kept]
+    assert trainer.train_dataset["answer_ids"] == [s["answer_ids"] for s in kept]
 
 
 # ------------------------------------------------------------------------------------------- loss and gradients
 def test_loss_and_gradients_equal_bitune_forward(tmp_path):
     """The trainer's loss on a TRL batch and its gradients equal BituneModel's forward on bitune train's batch of
-    the same rows (fp32, 1e-6), and TRL's fused-LM-head forward is not what runs."""
+    the same rows (fp32, 1e-6). TRL's fused-LM-head forward stays installed on the model; called without
+    ``fused_lm_head=True`` (only SFTTrainer.compute_loss, replaced here, passes it) it runs Bitune's forward."""
     trainer = sft_trainer(str(tmp_path / "out"), per_device_train_batch_size=5)
-    assert isinstance(trainer.model, TrainerModel) and "forward" not in vars(trainer.model)
+    assert isinstance(trainer.model, TrainerModel) and "forward" in vars(trainer.model)  # TRL's, passing through
     model = trainer.bitune_model.train()
     batch = next(iter(trainer.get_train_dataloader()))
-    order = [trainer.train_dataset["input_ids"].index(r.tolist()[:int(m.sum())])
-             for r, m in zip(batch["input_ids"], batch["attention_mask"])]
+    order = batch_order(trainer, batch)
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
     got = {k: p.grad.clone() for k, p in model.trainable_parameters().items()}
@@ -138,6 +141,8 @@ def test_eval_loss_is_the_mean_over_examples(tmp_path):
                                                             max_length=512),
                                train_dataset=data, eval_dataset=data, processing_class=tok)
     got = trainer.evaluate()["eval_loss"]
+    assert trainer.evaluate(data)["eval_loss"] == got  # rows passed to evaluate() are tokenized the same way
+    assert trainer.evaluate({"a": data})["eval_a_loss"] == got
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
     samples = tokenize_dataset(tok, load_examples(str(path), "train"), 512)[0]
@@ -327,15 +332,6 @@ def test_rows_bitune_cannot_use_are_refused_naming_row_and_field(tmp_path, bad_r
         sft_trainer(str(tmp_path / "out"), bad_rows)
 
 
-def test_a_batch_that_is_not_prompt_then_answer_is_refused():
-    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    with pytest.raises(BituneError, match="batch row 0"):  # -100 inside the answer
-        split_batch(ids, mask, torch.tensor([[-100, -100, 7, -100, 9], [-100, -100, 7, -100, -100]]), 0)
-    with pytest.raises(BituneError, match="batch row 1"):  # a 1-token prompt
-        split_batch(ids, mask, torch.tensor([[-100, -100, 7, 8, 9], [-100, 6, 7, -100, -100]]), 0)
-
-
 def test_a_plain_model_or_peft_config_is_refused(tmp_path):
     data = Dataset.from_list(rows())
     with pytest.raises(BituneError, match="BituneModel or a base model name"):
@@ -349,10 +345,10 @@ def test_a_plain_model_or_peft_config_is_refused(tmp_path):
                          processing_class=tiny_tokenizer(), peft_config=object())
 
 
-# ------------------------------------------------------------------------------------------- the README script
+# ------------------------------------------------------------------------------------------- the example script
 @pytest.mark.integration
 def test_readme_script_trains_smollm2_and_its_checkpoint_answers(tmp_path):
-    """examples/trl_sft.py (the README's script) shortened to 2 steps into a temporary folder, then
+    """examples/trl_sft.py (the TRL guide's script) shortened to 2 steps into a temporary folder, then
     ``bitune generate --checkpoint`` on what it wrote (SmolLM2-135M, offline)."""
     import os
     import subprocess
@@ -374,8 +370,8 @@ def test_readme_script_trains_smollm2_and_its_checkpoint_answers(tmp_path):
     assert job.returncode == 0 and job.stdout.strip(), job.stderr[-3000:]
 
 
-def test_readme_shows_the_example_script_as_it_is():
+def test_the_trl_guide_shows_the_example_script_as_it_is():
+    """The guide (the README's TRL section moved there) includes examples/trl_sft.py itself, as a snippet."""
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("## Training with TRL"):]
-    assert "```python\n" + (root / "examples" / "trl_sft.py").read_text() + "```" in section
+    guide = (root / "docs" / "guides" / "trl.md").read_text()
+    assert '\n--8<-- "examples/trl_sft.py"\n```' in guide[guide.index("```python"):]

@@ -7,9 +7,11 @@ A checkpoint folder holds ``bitune_config.json`` (:class:`~bitune.config.BituneC
 the passes run), ``mixer.safetensors`` (the thetas, for mixing variants) and one folder per weight set: PEFT's own
 adapter format (``adapter_config.json`` + ``adapter_model.safetensors``, loadable by plain PEFT) or, for full
 fine-tuning, a transformers model folder (``causal/``) and the bidir copy (``bidir/model.safetensors``), plus the
-model card ``README.md`` (:mod:`bitune.modelcard`; a user's own README is kept). No pickles. It is written into a
-temporary folder and renamed into place, so an existing checkpoint is never left half-overwritten; loading is
-strict (every tensor must match).
+model card ``README.md`` (:mod:`bitune.modelcard`; a user's own README is kept) and, where one is saved with it,
+the tokenizer's files. No pickles. It is written into a temporary folder and renamed into place, so an existing
+checkpoint is never left half-overwritten; or, into a folder that holds other things (a TRL ``output_dir``), moved
+in file by file with the config removed first and written last, so a half-written one is never taken for complete.
+Loading is strict (every tensor must match).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 from .config import BituneConfig
 from .errors import BituneError
 from .files import apply_umask, read_text, replace_dir
-from .modelcard import Training
+from .modelcard import CARD_FILE, Training, is_ours
 from .modelcard import write as write_card
 
 CONFIG_FILE = "bitune_config.json"
@@ -41,7 +43,7 @@ FULL_FILE = "model.safetensors"
 
 def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None,
          training: Training | None = None, destination: str | os.PathLike | None = None,
-         replaces: bool = True) -> None:
+         replaces: bool = True, tokenizer=None) -> None:
     """Save adapters (PEFT format, one folder per weight set), mixer (safetensors), config (JSON) and model card.
 
     Args:
@@ -52,8 +54,12 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
         destination: where the checkpoint will end up when ``directory`` is a staging folder the caller moves
             (default: ``directory``): the card shows that path, reads the ``eval.json`` beside it and keeps a
             user's ``README.md`` there.
-        replaces: the folder at ``destination`` is replaced by this one (False: the caller moves the files into
-            it and keeps its other files, an ``eval.json`` included).
+        replaces: the folder at ``destination`` is replaced whole by this one (its other files go with it).
+            False: the checkpoint's files are moved into ``directory`` one by one and its other entries are kept
+            (``checkpoint-N`` folders, logs, an ``eval.json``, a user's ``README.md``); parts of an earlier
+            checkpoint there that this one lacks are removed, and its config is removed first and written last,
+            so a folder interrupted while being written is not taken for a complete checkpoint.
+        tokenizer: saved with the checkpoint (its ``save_pretrained`` files), if given.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -81,12 +87,39 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
             if "bidir" in config.weight_sets:
                 (tmp / "bidir").mkdir()
                 save_file({k.replace(".", "__"): t for k, t in parts["bidir"].items()}, str(tmp / "bidir" / FULL_FILE))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         write_card(tmp, config, training, directory if destination is None else destination, replaces)
         apply_umask(tmp)  # mkdtemp made it 0700 and safetensors writes 0600: others may read a checkpoint
-        replace_dir(tmp, directory)
-    except BaseException:
+        if replaces:
+            replace_dir(tmp, directory)
+        else:
+            _move_into(tmp, directory)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def _move_into(staged: Path, directory: Path) -> None:
+    """Move the checkpoint written in ``staged`` into ``directory``, keeping the folder's other entries: its config
+    removed first and written last, parts of an earlier checkpoint that this one lacks removed, a user's own
+    ``README.md`` (copied into ``staged`` by the card writer) left as it is."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).unlink(missing_ok=True)  # from here until the end, not a complete checkpoint
+    for name in (*WEIGHT_SETS, MIXER_FILE):
+        stale = directory / name
+        if (staged / name).exists():
+            continue
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink(missing_ok=True)
+    for entry in sorted(staged.iterdir(), key=lambda p: p.name == CONFIG_FILE):  # the config last
+        if entry.name == CARD_FILE and not is_ours(entry):
+            continue
+        if entry.is_dir():
+            replace_dir(entry, directory / entry.name)
+        else:
+            os.replace(entry, directory / entry.name)
 
 
 def load_weights(model, directory: str | os.PathLike) -> None:

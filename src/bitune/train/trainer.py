@@ -2,7 +2,8 @@
 
 Built from public pieces: accelerate's ``Accelerator`` (DDP over gloo on CPU / nccl on GPUs, bf16 autocast,
 sharded data loaders), a ``DataLoader`` over :mod:`bitune.data.sampling`'s seed-determined orders, AdamW over
-exactly ``model.trainable_parameters()`` (no decay on the mixing thetas) and transformers' linear warmup/decay.
+exactly ``model.trainable_parameters()`` (no decay on the mixing thetas) and transformers' linear warmup/decay
+(the parameter groups, the order and the loss check shared with TRL's trainer: :mod:`.parts`).
 A step accumulates ``grad_accum`` micro-batches, clips as ``clip`` says, steps, then logs, evaluates and writes
 an atomic checkpoint (:mod:`.checkpoints`) when due. ``--resume`` restores weights, optimizer, scheduler and RNG
 and skips the batches already consumed in the current epoch, so a resumed run ends bit-exact on the weights of
@@ -35,12 +36,12 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 
-from ..data.sampling import LengthGroupedSampler, RepeatedPrefix, ShuffledSampler
+from ..data.sampling import RepeatedPrefix
 from ..errors import BituneError
 from ..model import BituneModel
 from ..modelcard import Training
 from ..processes import check_fsdp_processes
-from . import sharding
+from . import parts, sharding
 from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
 from .logger import JsonlLogger
 from .run_folder import (
@@ -143,14 +144,8 @@ class BituneTrainer:
             BituneError: ``data_steps`` needs more examples than the data has.
         """
         data, s = self.train_dataset, self.settings
-        if not self.group_by_length:
-            sampler = ShuffledSampler(len(data), s.seed)
-        else:
-            lengths = [(len(x["prompt_ids"]), len(x["answer_ids"])) for x in data]
-            # accelerate hands consecutive per-process batches to processes 0..N-1, so N processes take the same
-            # examples per step as one process with batch N x batch_size.
-            group = s.batch_size * self.accelerator.num_processes
-            sampler = LengthGroupedSampler(lengths, group, seed=s.seed)
+        group = s.batch_size * self.accelerator.num_processes if self.group_by_length else None
+        sampler = parts.sampler(data, s.seed, group)
         if s.data_steps is None:
             return sampler
         needed = s.data_steps * s.batch_size * s.grad_accum * self.accelerator.num_processes
@@ -170,14 +165,8 @@ class BituneTrainer:
     def create_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (betas 0.9, 0.999) over exactly the model's trainable parameters; no decay on mixing thetas."""
         if self.optimizer is None:
-            params = list(self.model.trainable_parameters().values())
-            if not params:
-                raise BituneError(f"variant {self.model.config.variant!r} has no trainable parameters")
-            mixer = {id(p) for p in self.model.mixer.parameters()} if self.model.mixer is not None else set()
-            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.settings.weight_decay},
-                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
-            self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.settings.lr,
-                                               betas=(0.9, 0.999), eps=1e-8)
+            self.optimizer = torch.optim.AdamW(parts.parameter_groups(self.model, self.settings.weight_decay),
+                                               lr=self.settings.lr, betas=(0.9, 0.999), eps=1e-8)
         return self.optimizer
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -190,8 +179,7 @@ class BituneTrainer:
         out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
         loss = out.loss  # the example mean: out.example_loss (B,) averaged
         if model.training:
-            if not torch.isfinite(loss.detach()):
-                raise BituneError(self._diverged(f"the training loss is {float(loss.detach())}"))
+            parts.check_loss(loss, self.state.global_step + 1, self._kept)
             self._count_positions(inputs)
         return loss
 
@@ -220,12 +208,12 @@ class BituneTrainer:
         computed = w * pm.numel() + am.numel()
         self._positions = (self._positions[0] + real, self._positions[1] + computed)
 
-    def _diverged(self, what: str) -> str:
-        """The message of a run stopped because it diverged: what happened and what was kept."""
+    def _kept(self) -> str:
+        """What a run stopped because it diverged kept, and what to change."""
         found = checkpoints(Path(self.settings.output_dir))
         kept = f"the last good checkpoint {found[-1]} is kept" if found else "no checkpoint had been written"
-        return (f"training diverged at step {self.state.global_step + 1}: {what}; stopped without saving: {kept} "
-                "and no final/ is written. Lower lr, raise warmup_ratio or set max_grad_norm")
+        return (f"stopped without saving: {kept} and no final/ is written. Lower lr, raise warmup_ratio or set "
+                "max_grad_norm")
 
     def check_finite(self) -> None:
         """Refuse to save weights that hold inf or NaN.
@@ -240,7 +228,8 @@ class BituneTrainer:
                                                          dtype=torch.int32), reduction="sum")
             bad = [k for k, f in zip(params, flags.tolist()) if f]
         if bad:
-            raise BituneError(self._diverged(f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"))
+            what = f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"
+            raise BituneError(parts.diverged(self.state.global_step + 1, what, self._kept()))
 
     def save_model(self, directory: Path) -> None:
         """Write the standard Bitune checkpoint of the model into ``directory`` from the main process (every process

@@ -1,4 +1,4 @@
-"""TRL's dataset rows as Bitune samples, and TRL's batches split back into prompts and answers.
+"""TRL's dataset rows as Bitune samples: a prompt's and its answer's tokens, apart.
 
 TRL's ``SFTTrainer`` reads three row formats Bitune can learn from:
 
@@ -11,10 +11,9 @@ TRL's ``SFTTrainer`` reads three row formats Bitune can learn from:
 Each row is tokenized by :func:`bitune.data.collate.tokenize_dataset`, the code ``bitune train`` runs, so the
 tokens are those of ``bitune train`` on the same rows: a verbatim prompt with the tokenizer's special tokens and
 the answer followed by eos; a conversation rendered with the chat template, the answer ended by the end-of-turn
-token. A sample becomes TRL's pre-tokenized form, ``input_ids`` = prompt + answer and ``labels`` = -100 on the
-prompt, which TRL pads on the right; :func:`split_batch` turns such a batch back into the model's left-padded
-prompts and right-padded answers. Samples longer than ``max_length`` are dropped, never truncated (a truncated
-answer would lose its end).
+token. A sample keeps them apart, as the :data:`COLUMNS` ``prompt_ids`` and ``answer_ids``, which
+:class:`bitune.data.collate.Collator` pads into the model's left-padded prompts and right-padded answers. Samples
+longer than ``max_length`` are dropped, never truncated (a truncated answer would lose its end).
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..data.collate import tokenize_dataset
 from ..data.conversations import ChatExample, chat_example
 from ..data.templates import Example
@@ -34,8 +31,8 @@ from ..errors import BituneError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-IGNORE = -100
-"""TRL's label for tokens outside the loss (the prompt and the padding)."""
+COLUMNS = ("prompt_ids", "answer_ids")
+"""The columns of a tokenized dataset: the token lists :class:`bitune.data.collate.Collator` batches."""
 FORMATS = "'prompt'/'completion' or 'messages' rows"
 
 
@@ -115,8 +112,9 @@ def tokenize_rows(rows, tokenizer: PreTrainedTokenizerBase, max_length: int | No
         name: which dataset, for errors.
 
     Returns:
-        ``(samples, dropped, template)``: ``{"input_ids", "labels"}`` per kept row in order, how many rows were
-        too long, and the template of the rows (``"chat"`` or ``"none"``).
+        ``(samples, dropped, template)``: ``{"prompt_ids", "answer_ids"}`` per kept row in order (the answer ends
+        with eos or the end-of-turn token), how many rows were too long, and the template of the rows (``"chat"``
+        or ``"none"``).
 
     Raises:
         BituneError: a row Bitune cannot use (see :func:`row_format`, :func:`row_example`), a prompt under 2
@@ -134,51 +132,7 @@ def tokenize_rows(rows, tokenizer: PreTrainedTokenizerBase, max_length: int | No
     if not samples:
         raise BituneError(f"all {len(examples)} rows of the {name} dataset are longer than max_length={max_length} "
                           "tokens; raise max_length")
-    trl_samples = [{"input_ids": s["prompt_ids"] + s["answer_ids"],
-                    "labels": [IGNORE] * len(s["prompt_ids"]) + s["answer_ids"]} for s in samples]
-    return trl_samples, dropped, "chat" if isinstance(examples[0], ChatExample) else "none"
+    return samples, dropped, "chat" if isinstance(examples[0], ChatExample) else "none"
 
 
-def split_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split TRL's right-padded batch at each row's first label that is not -100.
-
-    Args:
-        input_ids: (B, T) prompt + answer, right-padded.
-        attention_mask: (B, T) 1 on real tokens (a prefix of each row).
-        labels: (B, T) -100 on the prompt and the padding, the answer's ids on the answer.
-        pad: id written into padded positions.
-
-    Returns:
-        ``prompt_ids, prompt_mask`` (B, P) left-padded and ``answer_ids, answer_mask`` (B, A) right-padded, as
-        :class:`bitune.data.collate.Collator` makes them.
-
-    Raises:
-        BituneError: a row whose prompt is under 2 tokens, which has no answer, or whose labels are not one
-            answer running to the end of the row (e.g. -100 inside it).
-    """
-    B, T = input_ids.shape
-    pos = torch.arange(T, device=input_ids.device)  # (T,)
-    length = attention_mask.sum(1)  # (B,)
-    is_answer = labels != IGNORE  # (B, T)
-    start = torch.where(is_answer.any(1), is_answer.int().argmax(1), length)  # (B,) first answer position
-    real = pos[None] < length[:, None]  # (B, T)
-    expected = real & (pos[None] >= start[:, None])  # (B, T) the answer: from start to the row's end
-    bad = (~(attention_mask.bool() == real).all(1) | (start < 2) | (start >= length)
-           | ~(is_answer == expected).all(1) | ~((labels == input_ids) | ~expected).all(1))
-    if bad.any():
-        i = int(bad.nonzero()[0])
-        raise BituneError(f"batch row {i}: its labels are not a prompt of at least 2 tokens (labels -100) followed by "
-                          f"one answer to the end of the row (labels = input_ids); got prompt {int(start[i])} "
-                          f"token(s) of {int(length[i])}: a dataset row Bitune cannot use")
-    P, A = int(start.max()), int((length - start).max())
-    p_idx = pos[None, :P] - (P - start[:, None])  # (B, P) source position of each prompt slot, < 0 on padding
-    prompt_mask = (p_idx >= 0).long()  # (B, P)
-    prompt_ids = torch.where(p_idx >= 0, input_ids.gather(1, p_idx.clamp(min=0)), pad)  # (B, P)
-    a_idx = start[:, None] + pos[None, :A]  # (B, A)
-    answer_mask = (a_idx < length[:, None]).long()  # (B, A)
-    answer_ids = torch.where(answer_mask.bool(), input_ids.gather(1, a_idx.clamp(max=T - 1)), pad)  # (B, A)
-    return prompt_ids, prompt_mask, answer_ids, answer_mask
-
-
-__all__ = ["IGNORE", "row_format", "row_example", "split_batch", "tokenize_rows"]
+__all__ = ["COLUMNS", "row_format", "row_example", "tokenize_rows"]

@@ -2,32 +2,31 @@
 
 What changes against a plain ``SFTTrainer``, and why:
 
-- rows are tokenized by :mod:`bitune.trl.rows` (the tokens of ``bitune train``), handed to TRL pre-tokenized
-  (``input_ids`` + ``labels`` with -100 on the prompt);
-- TRL swaps the model's ``forward`` for a fused LM head over one concatenated sequence; the swap is undone and
-  :meth:`compute_loss` splits each right-padded batch into left-padded prompts and right-padded answers
-  (:func:`~bitune.trl.rows.split_batch`) and calls ``BituneModel.forward``, the forward ``bitune train`` runs, so
-  the loss is the example mean (:class:`bitune.model.BituneOutput`);
-- the optimizer holds exactly ``model.trainable_parameters()``, the mixer's thetas without weight decay;
-- the example order comes from :mod:`bitune.data.sampling` (uniformly shuffled, or length-grouped by prompt and
-  answer length with ``train_sampling_strategy="group_by_length"``), seeded by ``args.seed`` and the epoch only:
-  the order of ``bitune train`` with the same seed and grouping;
-- ``save_model`` and every ``checkpoint-N`` hold a Bitune checkpoint (:mod:`bitune.checkpoint`, with the
+- rows are tokenized by :mod:`bitune.trl.rows` (the tokens of ``bitune train``) into separate ``prompt_ids`` and
+  ``answer_ids`` columns, and TRL's own dataset preparation is skipped (``dataset_kwargs={"skip_prepare_dataset":
+  True}`` is set on ``args``), as TRL's DPO trainer keeps prompts and completions apart;
+- the data collator is ``bitune train``'s :class:`~bitune.data.collate.Collator` (left-padded prompts,
+  right-padded answers), and :meth:`compute_loss` calls ``BituneModel.forward`` on its four tensors, the forward
+  ``bitune train`` runs, so the loss is the example mean (:class:`bitune.model.BituneOutput`). TRL's fused-LM-head
+  forward, which it installs on the model, is left in place: without ``fused_lm_head=True``, which only TRL's own
+  ``compute_loss`` passes, it calls the model's forward unchanged;
+- the optimizer's parameter groups, the example order and the finite-loss check are ``bitune train``'s
+  (:mod:`bitune.train.parts`): exactly ``model.trainable_parameters()``, the mixer's thetas without weight decay;
+  uniformly shuffled, or length-grouped by prompt and answer length with
+  ``train_sampling_strategy="group_by_length"``, seeded by ``args.seed`` and the epoch only;
+- ``save_model`` and every ``checkpoint-N`` hold a Bitune checkpoint (:func:`bitune.checkpoint.save`, with the
   tokenizer), which ``bitune generate / eval / chat`` and ``BituneModel.from_pretrained`` load; resuming reads
   it back. The model card (``README.md``, TRL's ``create_model_card``) is Bitune's (:mod:`bitune.modelcard`).
 
 Refused, each with one error saying why: packing and padding-free batches (a Bitune forward needs each prompt
-and answer apart), gradient checkpointing (it drops the prompt passes' KV cache the answer reads), options that
-replace the loss, and rows Bitune cannot use (see :mod:`bitune.trl.rows`).
+and answer apart), activation checkpointing options Bitune's own checkpointing lacks (selective, offloaded,
+reentrant), options that replace the loss or the collator, and rows Bitune cannot use (see
+:mod:`bitune.trl.rows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
 import datasets
 import torch
@@ -37,16 +36,16 @@ from transformers import Trainer
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from ..checkpoint import CONFIG_FILE, MIXER_FILE, load_weights, save
+from ..checkpoint import load_weights, save
 from ..config import BituneConfig
-from ..data.sampling import LengthGroupedSampler, ShuffledSampler
+from ..data.collate import Collator, pad_id
 from ..errors import BituneError
-from ..files import replace_dir
 from ..model import BituneModel
-from ..modelcard import CARD_FILE, Training, is_ours
+from ..modelcard import Training
 from ..modelcard import write as write_card
 from ..processes import world_size
-from .rows import split_batch, tokenize_rows
+from ..train import parts
+from .rows import COLUMNS, tokenize_rows
 
 logger = logging.get_logger(__name__)
 CARD_SETTINGS = ("max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -54,6 +53,7 @@ CARD_SETTINGS = ("max_steps", "num_train_epochs", "per_device_train_batch_size",
                  "optim", "seed", "data_seed", "max_length", "train_sampling_strategy", "bf16",
                  "activation_checkpointing")
 """The ``SFTConfig`` fields a checkpoint's model card records."""
+
 
 class TrainerModel(nn.Module):
     """The face a ``BituneModel`` shows to ``Trainer``: the base model's transformers config, generation config
@@ -154,11 +154,11 @@ class BituneSFTTrainer(SFTTrainer):
         model.config = _record(model.config, template, model.weights.base)
         if args.ddp_find_unused_parameters is None:
             args.ddp_find_unused_parameters = False  # every trainable parameter gets a gradient, as in bitune train
+        args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}  # tokenized above
         self.dropped = dropped
         """Training rows dropped for being longer than ``args.max_length`` tokens."""
-        super().__init__(model=TrainerModel(model), args=args, train_dataset=train, eval_dataset=eval_dataset,
-                         processing_class=processing_class, **kwargs)
-        vars(self.model).pop("forward", None)  # undo TRL's fused-LM-head forward: Bitune's forward is the loss
+        super().__init__(model=TrainerModel(model), args=args, data_collator=Collator(pad_id(processing_class)),
+                         train_dataset=train, eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:
             raise BituneError("BituneSFTTrainer: FSDP and DeepSpeed are refused (the trainer saves and loads whole, "
                               "unsharded Bitune weights); run data-parallel (DDP: configs/accelerate/ddp.yaml)")
@@ -174,9 +174,8 @@ class BituneSFTTrainer(SFTTrainer):
 
         Args:
             model: the model ``Trainer`` runs (the Bitune model, possibly wrapped by DDP).
-            inputs: TRL's batch: (B, T) right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 on the
-                prompt), split into left-padded prompts and right-padded answers
-                (:func:`bitune.trl.rows.split_batch`).
+            inputs: the collator's batch: ``prompt_ids`` and ``prompt_mask`` (B, P) left-padded, ``answer_ids`` and
+                ``answer_mask`` (B, A) right-padded (:class:`bitune.data.collate.Collator`).
             return_outputs: also return the forward's output.
             num_items_in_batch: unused: every example weighs the same, as in ``bitune train``.
 
@@ -184,15 +183,11 @@ class BituneSFTTrainer(SFTTrainer):
             The loss (a scalar tensor); with ``return_outputs``, the pair ``(loss, output)``.
 
         Raises:
-            BituneError: a row's labels are not a prompt of at least 2 tokens followed by an answer, or the
-                training loss is not finite (training diverged).
+            BituneError: the training loss is not finite (training diverged).
         """
-        batch = split_batch(inputs["input_ids"], inputs["attention_mask"], inputs["labels"],
-                            self.processing_class.pad_token_id)
-        out = model(*batch)
-        if self.model.training and not torch.isfinite(out.loss.detach()):
-            raise BituneError(f"training diverged at step {self.state.global_step + 1}: the loss is "
-                              f"{float(out.loss.detach())}; lower the learning rate or set max_grad_norm")
+        out = model(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
+        if self.model.training:
+            parts.check_loss(out.loss, self.state.global_step + 1, _advice)
         return (out.loss, out) if return_outputs else out.loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -200,7 +195,7 @@ class BituneSFTTrainer(SFTTrainer):
 
         Args:
             model: the model ``Trainer`` runs.
-            inputs: TRL's batch, as in :meth:`compute_loss`.
+            inputs: the collator's batch, as in :meth:`compute_loss`.
             prediction_loss_only: unused: only the loss is returned.
             ignore_keys: unused.
 
@@ -223,66 +218,72 @@ class BituneSFTTrainer(SFTTrainer):
             The optimizer, created once (an optimizer passed as ``optimizers=`` is kept).
         """
         if self.optimizer is None:
-            bitune = self.bitune_model
-            params = list(bitune.trainable_parameters().values())
-            mixer = {id(p) for p in bitune.mixer.parameters()} if bitune.mixer is not None else set()
-            groups = [{"params": [p for p in params if id(p) not in mixer], "weight_decay": self.args.weight_decay},
-                      {"params": [p for p in params if id(p) in mixer], "weight_decay": 0.0}]
             cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+            self.optimizer = cls(parts.parameter_groups(self.bitune_model, self.args.weight_decay), **kwargs)
         return self.optimizer
 
     def _get_train_sampler(self, train_dataset=None):
-        """Bitune's seed-and-epoch-determined order (:mod:`bitune.data.sampling`), length-grouped per global
-        batch (``per_device_train_batch_size`` x processes) with ``train_sampling_strategy="group_by_length"``;
-        seeded by ``args.data_seed``, else ``args.seed``."""
+        """``bitune train``'s seed-and-epoch-determined order (:func:`bitune.train.parts.sampler`), length-grouped
+        by the prompt and answer columns per global batch (``per_device_train_batch_size`` x processes) with
+        ``train_sampling_strategy="group_by_length"``; seeded by ``args.data_seed``, else ``args.seed``."""
         data = train_dataset if train_dataset is not None else self.train_dataset
         strategy = self.args.train_sampling_strategy
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        if strategy == "group_by_length":
-            lengths = [(labels.count(-100), len(labels) - labels.count(-100)) for labels in data["labels"]]
-            group = self.args.per_device_train_batch_size * self.accelerator.num_processes
-            return LengthGroupedSampler(lengths, group, seed=seed)
-        if strategy != "random":
+        if strategy not in ("random", "group_by_length"):
             raise BituneError(f"train_sampling_strategy={strategy!r}: BituneSFTTrainer draws 'random' or "
                               "'group_by_length' orders")
-        return ShuffledSampler(len(data), seed)
+        group = self.args.per_device_train_batch_size * self.accelerator.num_processes
+        return parts.sampler(data, seed, group if strategy == "group_by_length" else None)
+
+    def _get_eval_sampler(self, eval_dataset):
+        """``Trainer``'s evaluation order (sequential), or with ``train_sampling_strategy="group_by_length"``
+        ``bitune train``'s length-grouped one over the prompt and answer columns (less padding; ``eval_loss``, the
+        mean over the examples, does not depend on the order)."""
+        if self.args.train_sampling_strategy != "group_by_length":
+            return super()._get_eval_sampler(eval_dataset)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return parts.sampler(eval_dataset, seed, self.args.per_device_eval_batch_size * self.accelerator.num_processes)
+
+    def _set_signature_columns_if_needed(self):
+        """The columns the collator reads: the ones ``remove_unused_columns`` keeps."""
+        if self._signature_columns is None:
+            self._signature_columns = list(COLUMNS)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """TRL's ``evaluate``; rows passed here are tokenized as the eval rows given to the trainer are (TRL's own
+        dataset preparation is skipped).
+
+        Args:
+            eval_dataset: rows (a ``datasets.Dataset``, or a dict of them, each evaluated as ``Trainer`` does),
+                the name of an eval dataset given to the trainer, or None (those given to the trainer).
+            ignore_keys: passed on to ``Trainer.evaluate``.
+            metric_key_prefix: the metrics' prefix.
+
+        Raises:
+            BituneError: rows Bitune cannot use (see :mod:`bitune.trl.rows`).
+        """
+        tokenizer, max_length = self.processing_class, self.args.max_length
+        if isinstance(eval_dataset, dict):  # as Trainer.evaluate runs a dict: one evaluation per dataset
+            metrics = {}
+            for k, rows in eval_dataset.items():
+                data = _prepare(rows, tokenizer, max_length, f"eval[{k!r}]")[0]
+                metrics.update(super().evaluate(data, ignore_keys, f"{metric_key_prefix}_{k}"))
+            return metrics
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = _prepare(eval_dataset, tokenizer, max_length, "eval")[0]
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Write a Bitune checkpoint (adapters, mixer, config) and the tokenizer into ``output_dir``.
-
-        Other entries of the folder (``checkpoint-N``, logs) are kept, parts of an earlier checkpoint this one
-        lacks are removed; the config is removed first and written last, so a folder interrupted while being
-        written is not taken for a complete checkpoint."""
+        """Write a Bitune checkpoint (adapters, mixer, config, model card) and the tokenizer into ``output_dir``
+        (:func:`bitune.checkpoint.save` with ``replaces=False``): other entries of the folder (``checkpoint-N``,
+        logs, a user's README) are kept, parts of an earlier checkpoint this one lacks are removed, and the config
+        is removed first and written last, so a folder interrupted while being written is not taken for a complete
+        checkpoint."""
         if not self.args.should_save:
             return
-        out = Path(output_dir if output_dir is not None else self.args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            save(self.bitune_model, tmp / "checkpoint", training=self.training_record(), destination=out,
-                 replaces=False)
-            self.processing_class.save_pretrained(str(tmp / "checkpoint"))
-            (out / CONFIG_FILE).unlink(missing_ok=True)
-            for name in ("causal", "bidir", MIXER_FILE):  # parts of an earlier checkpoint this one lacks
-                stale = out / name
-                if (tmp / "checkpoint" / name).exists():
-                    continue
-                if stale.is_dir():
-                    shutil.rmtree(stale)
-                else:
-                    stale.unlink(missing_ok=True)
-            entries = sorted((tmp / "checkpoint").iterdir(), key=lambda p: p.name == CONFIG_FILE)
-            for entry in entries:
-                if entry.name == CARD_FILE and not is_ours(entry):
-                    continue  # the user's own README.md in out: kept as it is
-                if entry.is_dir():
-                    replace_dir(entry, out / entry.name)
-                else:
-                    os.replace(entry, out / entry.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        save(self.bitune_model, output_dir if output_dir is not None else self.args.output_dir,
+             training=self.training_record(), replaces=False, tokenizer=self.processing_class)
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | list[str] | None = None,
                           tags: str | list[str] | None = None) -> None:
@@ -373,8 +374,8 @@ def _check_options(args: SFTConfig, kwargs: dict) -> None:
                                  "compute_loss_func": "the loss is Bitune's example mean",
                                  "compute_metrics": "evaluation reports eval_loss only (answer logits are not "
                                                     "aligned with TRL's sequences)",
-                                 "data_collator": "batches are TRL's own right-padded prompt + answer rows, split "
-                                                  "by the trainer"}[name])
+                                 "data_collator": "batches are bitune train's left-padded prompts and right-padded "
+                                                  "answers (bitune.data.collate.Collator)"}[name])
 
 
 def _bitune_model(model, bitune_config: BituneConfig | None, tokenizer):
@@ -398,8 +399,13 @@ def _bitune_model(model, bitune_config: BituneConfig | None, tokenizer):
     return BituneModel.wrap(base, config), tokenizer if tokenizer is not None else loaded
 
 
+def _advice() -> str:
+    """What to change after a diverged step (the end of :func:`bitune.train.parts.check_loss`'s message)."""
+    return "lower the learning rate or set max_grad_norm"
+
+
 def _prepare(dataset, tokenizer, max_length: int | None, name: str):
-    """Rows -> a pre-tokenized ``datasets.Dataset`` (``input_ids``, ``labels``), the dropped count, the template."""
+    """Rows -> a tokenized ``datasets.Dataset`` (``prompt_ids``, ``answer_ids``), the dropped count, the template."""
     if not isinstance(dataset, datasets.Dataset):
         raise BituneError(f"BituneSFTTrainer: the {name} dataset must be a datasets.Dataset (streaming datasets "
                           f"are not supported), got {type(dataset).__name__}")
