@@ -165,3 +165,34 @@ def test_path_functions_run_on_the_parts_alone():
     real = answer_mask.bool()
     torch.testing.assert_close(fused[real], out.logits[real], atol=1e-5, rtol=0)
     assert (fused[real] - weights.call("causal", input_ids=steps).logits[real]).abs().max() > 1e-3  # read the prompt
+
+
+def test_auto_reads_large_prompt_batches_one_pass_at_a_time_with_the_same_numbers(monkeypatch):
+    """``auto`` batches the two prompt passes up to BATCHED_PREFILL_MAX_POSITIONS positions per pass and reads
+    larger batches one pass at a time (faster there); an explicit ``batched`` stays batched; the numbers agree."""
+    import bitune.model
+    import bitune.passes
+    from conftest import perturb_adapters
+
+    limit = bitune.model.BATCHED_PREFILL_MAX_POSITIONS
+    model = perturb_adapters(BituneModel.wrap(tiny_model("llama"), BituneConfig()))
+    assert [model.prefill_path(n) for n in (None, limit, limit + 1)] == ["batched", "batched", "sequential"]
+    model.prompt_passes = "batched"
+    assert model.prefill_path(limit + 1) == "batched"
+    model.prompt_passes = "auto"
+    ids, mask = batch()[:2]  # 3 prompts of up to 6 tokens: 15 positions per pass
+    reads = []
+    monkeypatch.setattr(bitune.model, "read_passes_batched",
+                        lambda *a, **k: reads.append("batched") or bitune.passes.read_passes_batched(*a, **k))
+    monkeypatch.setattr(bitune.model, "BATCHED_PREFILL_MAX_POSITIONS", 15)
+    batched = model.prefill(ids, mask)
+    monkeypatch.setattr(bitune.model, "BATCHED_PREFILL_MAX_POSITIONS", 14)
+    sequential = model.prefill(ids, mask)
+    assert reads == ["batched"]
+    from bitune import cache as kv
+
+    real = mask[:, :-1].bool()  # (B, P-1): the positions read (padding rows of the cache may differ)
+    for layer in range(kv.num_layers(batched.cache)):
+        (kb, vb), (ks, vs) = kv.layer_kv(batched.cache, layer), kv.layer_kv(sequential.cache, layer)  # (B, H, T, D)
+        torch.testing.assert_close(kb.transpose(1, 2)[real], ks.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vb.transpose(1, 2)[real], vs.transpose(1, 2)[real], atol=1e-5, rtol=1e-5)

@@ -139,3 +139,20 @@ def test_bench_decode_times_our_step_against_the_models_forward(tmp_path):
 def test_bench_decode_rejects_bad_batch_sizes(capsys):
     assert main(["bench", "decode", "--batch-sizes", "1,x"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+
+
+def test_bench_prefill_times_both_reading_paths_and_names_autos_choice(tmp_path, monkeypatch):
+    import bitune.model
+
+    monkeypatch.setattr(bitune.model, "BATCHED_PREFILL_MAX_POSITIONS", 20)
+    save_checkpoint(tmp_path)
+    out = tmp_path / "prefill.json"
+    assert main(["bench", "prefill", "--model", str(tmp_path / "base"), "--lengths", "8,32", "--batch-sizes", "1,2",
+                 "--rounds", "1", "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["prompt_tokens"]) for r in rows] == [(1, 8), (1, 32), (2, 8), (2, 32)]
+    assert [r["auto"] for r in rows] == ["batched", "sequential", "batched", "sequential"]  # 7, 31, 14, 62 positions
+    for r in rows:
+        assert r["base_s"] > 0 and r["batched_over_sequential"] == pytest.approx(r["batched_s"] / r["sequential_s"])
+        assert r["auto_over_base"] == pytest.approx(r[f"{r['auto']}_s"] / r["base_s"])
+    assert main(["bench", "prefill", "--lengths", "8,2"]) == 2

@@ -49,6 +49,11 @@ from .modelcard import Training
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
 from .recompute import checkpoint_layers
 
+BATCHED_PREFILL_MAX_POSITIONS = 256
+"""Prompt positions per pass (B x T) up to which ``prompt_passes="auto"`` reads both passes as one batched forward;
+beyond it one forward per pass is faster (``bitune bench prefill``: the batched forward's attention over 2B rows
+with per-row masks grows faster than two plain passes)."""
+
 
 @dataclass
 class BituneOutput:
@@ -162,14 +167,25 @@ class BituneModel(nn.Module):
             return "fused"
         return self.prefill_path()
 
-    def prefill_path(self) -> str:
+    def prefill_path(self, positions: int | None = None) -> str:
         """The second decision ``prompt_passes`` makes: how :meth:`prefill` reads a prompt alone (generation,
         evaluation, serving): ``"batched"`` (both prompt passes as one forward over 2B rows; also what ``fused``
-        reads prompts with) or ``"sequential"``."""
+        reads prompts with) or ``"sequential"`` (one forward per pass).
+
+        Args:
+            positions: the positions each pass reads (B x T, padding included), when known: with ``"auto"``, a
+                read of more than :data:`BATCHED_PREFILL_MAX_POSITIONS` runs sequentially, which is faster there
+                (``bitune bench prefill``). Default None: the choice for any size.
+
+        Returns:
+            ``"batched"`` or ``"sequential"``.
+        """
         names = [w for w, _ in self.config.passes]
-        if len(names) == 2 and self.prompt_passes != "sequential" and self.weights.can_route(names):
-            return "batched"
-        return "sequential"
+        if len(names) != 2 or self.prompt_passes == "sequential" or not self.weights.can_route(names):
+            return "sequential"
+        if self.prompt_passes == "auto" and positions is not None and positions > BATCHED_PREFILL_MAX_POSITIONS:
+            return "sequential"
+        return "batched"
 
     # ----------------------------------------------------------------------------------------------- parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -306,7 +322,7 @@ class BituneModel(nn.Module):
     def prompt_caches(self, ids: torch.Tensor, mask: torch.Tensor, past: Prefill | None = None) -> list:
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
         self.check_no_checkpointing()
-        if self.prefill_path() == "batched":
+        if self.prefill_path(ids.numel()) == "batched":
             return read_passes_batched(self.weights, self.text_config, ids, mask, self.config.passes, past)
         return [read_pass(self.weights, self.text_config, ids, mask, weights, kind, past)
                 for weights, kind in self.config.passes]

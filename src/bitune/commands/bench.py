@@ -79,7 +79,14 @@ def configure(parser) -> None:
     de.add_argument("--context", type=int, default=128, help="cached tokens per row before the timed steps")
     de.add_argument("--steps", type=int, default=32, help="timed decoding steps per batch size (after 4 warm-up)")
     de.add_argument("--output", default=None, help="also write the results as JSON here")
-    for p in (tr, ge, da, de):
+    pf = sub.add_parser("prefill", help="reading prompts: both passes batched into one forward vs one forward per "
+                                         "pass, by prompt length and batch size, against the base model's forward")
+    pf.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
+    pf.add_argument("--lengths", default="32,64,128,256,512", help="comma-separated prompt lengths (tokens)")
+    pf.add_argument("--batch-sizes", default="1,8", help="comma-separated prompts read together")
+    pf.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds; medians are reported")
+    pf.add_argument("--output", default=None, help="also write the results as JSON here")
+    for p in (tr, ge, da, de, pf):
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -121,6 +128,8 @@ def run(args) -> int:
         raise ValueError("bench decode needs --steps >= 1 and --context >= 2")
     if args.bench == "data" and (args.steps < 1 or args.rounds < 1):
         raise ValueError("bench data needs --steps >= 1 and --rounds >= 1")
+    if args.bench == "prefill" and args.rounds < 1:
+        raise ValueError("bench prefill needs --rounds >= 1")
     if args.output:
         check_output_file(args.output, "--output")  # before the benchmark runs
     if args.bench == "sharding":
@@ -133,7 +142,7 @@ def run(args) -> int:
         result = bench_serve(args)
     else:
         result = {"train": bench_train, "generate": bench_generate, "data": bench_data,
-                  "decode": bench_decode}[args.bench](args)
+                  "decode": bench_decode, "prefill": bench_prefill}[args.bench](args)
     if args.output:
         write_text_atomic(Path(args.output), json.dumps(result, indent=2))
     return 0
@@ -385,6 +394,77 @@ def bench_generate(args) -> dict:
                     f"{summary['lora_unmerged']['decode_ratio']:.3f}x.")
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}
+
+
+def _int_list(text: str, option: str, low: int) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: comma-separated integers") from None
+    if not values or min(values) < low:
+        raise ValueError(f"{option} {text!r}: every value must be >= {low}")
+    return values
+
+
+@torch.no_grad()
+def bench_prefill(args) -> dict:
+    """Read random prompts of each length and batch size with a merged Bitune model (fresh adapters: the same
+    compute as trained ones), both prompt passes batched into one forward over 2B rows vs one forward per pass,
+    interleaved round by round with the base model's own forward over the same prompts; reports the medians,
+    the ratios and the path ``prompt_passes="auto"`` picks."""
+    lengths = _int_list(args.lengths, "--lengths", 3)
+    sizes = _int_list(args.batch_sizes, "--batch-sizes", 1)
+    device, dtype = _device_dtype(args.dtype)
+    base, _ = load_model(args.model, dtype=dtype)
+    base = base.to(device).eval()
+    model, _ = _build(args.model, "bitune", device, dtype)
+    model.eval().merge()
+    if max(lengths) > model.text_config.max_position_embeddings:
+        raise ValueError(f"--lengths: {max(lengths)} passes the model's {model.text_config.max_position_embeddings} "
+                         "positions")
+
+    def timed(fn) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    rows = []
+    for B in sizes:
+        for P in lengths:
+            ids, mask = _random_batch(model.text_config.vocab_size, B, P, 1, device)[:2]
+            runs = {"base": lambda: base(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True,
+                                         logits_to_keep=1)}
+            for path in ("batched", "sequential"):
+                def read(path=path):
+                    model.prompt_passes = path
+                    return model.prefill(ids, mask)
+                runs[path] = read
+            for fn in runs.values():
+                fn()  # warm-up
+            times = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, fn in runs.items():
+                    times[name].append(timed(fn))
+            model.prompt_passes = "auto"
+            med = {name: statistics.median(t) for name, t in times.items()}
+            auto = model.prefill_path(B * (P - 1))
+            rows.append({"batch": B, "prompt_tokens": P, **{f"{k}_s": v for k, v in med.items()},
+                         "batched_over_sequential": med["batched"] / med["sequential"], "auto": auto,
+                         "auto_over_base": med[auto] / med["base"]})
+    table = Table(title=f"Prefill, {args.model}, {device.type}, merged Bitune (fresh adapters), median of "
+                        f"{args.rounds} interleaved rounds")
+    for col in ("batch", "prompt", "base s", "batched s", "sequential s", "batched / sequential", "auto picks",
+                "auto / base"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch"]), str(r["prompt_tokens"]), f"{r['base_s']:.3f}", f"{r['batched_s']:.3f}",
+                      f"{r['sequential_s']:.3f}", f"{r['batched_over_sequential']:.2f}", r["auto"],
+                      f"{r['auto_over_base']:.2f}")
+    Console().print(table)
+    return {"device": str(device), "dtype": str(dtype), "model": args.model, "threads": torch.get_num_threads(),
+            "rounds": args.rounds, "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------------- real data
