@@ -321,6 +321,7 @@ def bench_generate(args) -> dict:
     device, dtype = _device_dtype(args.dtype)
     base_model, tokenizer = load_model(args.model, dtype=dtype)
     base_model = base_model.to(device).eval()
+    base_copy = load_model(args.model, dtype=dtype)[0].to(device).eval()  # the control: same model, measured again
     bitune, _ = _build(args.model, "bitune", device, dtype)
     bitune_unmerged, _ = _build(args.model, "bitune", device, dtype)
     lora, _ = _build(args.model, "lora", device, dtype)
@@ -344,17 +345,19 @@ def bench_generate(args) -> dict:
                                   min_new_tokens=n, streamer=streamer, **gen)
         return run
 
-    default = bitune.prefill_path()  # what prompt_passes="auto" reads prompts with
+    default = bitune.prefill_path(args.prompt_tokens - 1)  # what prompt_passes="auto" reads this prompt with
     other = "sequential" if default == "batched" else "batched"
-    runners = {"base": hf_generate(base_model), "lora": hf_generate(lora.weights.model),
+    runners = {"base": hf_generate(base_model), "base_copy": hf_generate(base_copy),
+               "lora": hf_generate(lora.weights.model),
                "lora_unmerged": hf_generate(lora_unmerged.weights.model),
-               "bitune": bitune_generate(bitune, default), f"bitune_{other}": bitune_generate(bitune, other),
-               "bitune_unmerged": bitune_generate(bitune_unmerged, default)}
+               "bitune": bitune_generate(bitune, "auto"), f"bitune_{other}": bitune_generate(bitune, other),
+               "bitune_unmerged": bitune_generate(bitune_unmerged, "auto")}
     for fn in runners.values():
         fn(2, None)  # warm-up
     samples = {name: [] for name in runners}
-    for _ in range(args.repeats):
-        for name, fn in runners.items():
+    for i in range(args.repeats):
+        order = list(runners.items())
+        for name, fn in order if i % 2 == 0 else order[::-1]:  # reversed every other round: no fixed position
             clock = _TokenClock(device)
             out = fn(args.new_tokens, clock)
             assert out.shape[-1] >= args.new_tokens and len(clock.times) == args.new_tokens
@@ -387,6 +390,9 @@ def bench_generate(args) -> dict:
                     f"{summary['memory_ratio']['bitune']:.3f}x, unmerged {summary['memory_ratio']['bitune_unmerged']:.3f}x, "
                     f"LoRA merged {summary['memory_ratio']['lora']:.3f}x (target: Bitune merged <= 1.10x + the bidir "
                     f"difference).")
+    Console().print(f"Noise floor: a second copy of the base model measured the same way: prefill "
+                    f"{summary['base_copy']['prefill_ratio']:.2f}x, decode {summary['base_copy']['decode_ratio']:.3f}x "
+                    "(a ratio closer to 1 than this is not resolved by this run).")
     Console().print(f"Bitune (merged, {default}) / base: prefill {summary['bitune']['prefill_ratio']:.2f}x (target "
                     f"<= 2.1x), decode tok/s {summary['bitune']['decode_ratio']:.3f}x (target >= 0.97x); LoRA "
                     f"(merged) decode {summary['lora']['decode_ratio']:.3f}x (target >= 0.97x). Unmerged: Bitune "
