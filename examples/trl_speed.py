@@ -1,8 +1,9 @@
 """Training speed of ``BituneSFTTrainer`` against ``bitune train``'s loop, side by side on the same data.
 
 Both train Bitune (LoRA r8) on SmolLM2-135M in fp32 over the same ARC-Easy rows, with the same batch size,
-seed and length-grouped order, so they draw the same batches; they run alternately (``--rounds`` times each)
-and every optimizer step is timed by a callback. Prints the median seconds per step of each and their ratio.
+seed and length-grouped order, so they draw the same batches; they run alternately (``--rounds`` times each, the
+order reversed every other round, as ``bitune bench`` interleaves) and every optimizer step is timed by a
+callback. Prints the median seconds per step of each and their ratio.
 
     PYTHONPATH=src OMP_NUM_THREADS=2 python examples/trl_speed.py --steps 6 --batch-size 8 --rounds 2
 """
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 from trl import SFTConfig
 
 from bitune import BituneConfig, BituneModel
+from bitune.bench.helpers import interleaved
 from bitune.data import load_examples, tokenize_dataset
 from bitune.data.collate import Collator, pad_id
 from bitune.hub import load_model
@@ -78,11 +80,12 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=400, help="ARC-Easy train rows to draw batches from")
     args = parser.parse_args()
     examples = load_examples("arc_easy", "train", limit=args.examples)
-    times = {"bitune train": [], "BituneSFTTrainer": []}
+    trainers = {"bitune train": bitune_train, "BituneSFTTrainer": trl_train}
+    times = {name: [] for name in trainers}
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
-            times["bitune train"] += bitune_train(examples, args.steps, args.batch_size, f"{tmp}/bitune")
-            times["BituneSFTTrainer"] += trl_train(examples, args.steps, args.batch_size, f"{tmp}/trl")
+            for i, name in enumerate(interleaved(trainers, r)):
+                times[name] += trainers[name](examples, args.steps, args.batch_size, f"{tmp}/{i}")
         print(f"round {r + 1}: " + ", ".join(f"{k} {statistics.median(v):.2f} s/step" for k, v in times.items()))
     a, b = (statistics.median(times[k]) for k in ("bitune train", "BituneSFTTrainer"))
     print(f"torch threads {torch.get_num_threads()}, batch {args.batch_size}, {len(times['bitune train'])} timed "

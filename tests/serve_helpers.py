@@ -10,10 +10,10 @@ import time
 
 import torch
 
+from bitune.bench.serve import free_port
 from bitune.generation import pick_template
 from bitune.loading import load_bitune
 from bitune.serve.app import Served, create_app
-from bitune.serve.bench import free_port
 from bitune.serve.scheduler import Job, Scheduler
 
 WAIT = 60

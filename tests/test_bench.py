@@ -78,7 +78,7 @@ def test_bench_data_runs_on_a_config_and_reports_real_token_rates(tmp_path):
 def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests(tmp_path, monkeypatch):
     from lm_eval.api.instance import Instance
 
-    from bitune.eval import bench_eval
+    from bitune.bench import eval as bench_eval
 
     save_checkpoint(tmp_path)
 
@@ -90,12 +90,35 @@ def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests
                                        idx=c, metadata=("fake", q, 1)) for q in range(3) for c in range(3)]
 
     monkeypatch.setattr(bench_eval, "make_task", lambda name: FakeTask())
-    out = bench_eval.bench(str(tmp_path / "base"), "fake", limit=3, batch_size=2, rounds=2)
+    record = tmp_path / "eval.json"
+    assert main(["bench", "eval", "--model", str(tmp_path / "base"), "--task", "fake", "--limit", "3",
+                 "--batch-size", "2", "--rounds", "2", "--output", str(record)]) == 0
+    out = json.loads(record.read_text())
     assert out["questions"] == 3 and out["requests"] == 9 and out["rounds"] == 2
     for name in ("hf", "pretrained", "bitune"):
         assert len(out[f"{name}_s"]) == 2 and out[f"{name}_questions_per_s"] > 0
     assert out["max_abs_logprob_diff"] < 1e-4 and out["greedy_agree"]  # pretrained scores = lm-eval's hf
     assert len(out["load_average_before"]) == 3
+
+
+def test_bench_eval_refuses_impossible_counts_before_loading_anything(capsys):
+    assert main(["bench", "eval", "--model", "no-such-model", "--rounds", "0"]) == 2
+    assert "--rounds >= 1" in capsys.readouterr().err
+
+
+def test_saved_bytes_counts_activations_apart_from_the_weights_backward_keeps():
+    """What a forward saves for backward, each storage once: the input and output activations, and the weight a
+    linear layer keeps (a view of the parameter) only in ``total``; the leaf input and the parameter never."""
+    import torch
+
+    from bitune.bench.helpers import count_saved
+
+    lin = torch.nn.Linear(4, 8)
+    x = torch.randn(3, 4, requires_grad=True)
+    with count_saved() as saved:
+        lin(x * 2).relu()
+    assert saved.activations == 4 * (3 * 4 + 3 * 8)  # (3, 4) input of the linear layer, (3, 8) output of relu
+    assert saved.total == saved.activations + lin.weight.nbytes  # weight.t(), saved for the input's gradient
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import types
 
 import pytest
 
+from bitune.bench.serve import checkpoints, ours, prompts, run_servers, summarize
 from bitune.errors import BituneError
-from bitune.serve.bench import checkpoints, ours, prompts, run_servers, summarize
 from eval_helpers import tiny_tokenizer
 from gen_helpers import save_checkpoint
 
@@ -63,7 +63,7 @@ def test_given_checkpoints_must_be_what_their_rows_claim(tmp_path):
     ({"device": "tpu"}, "--device 'tpu' is not a torch device"),
 ])
 def test_bench_serve_refuses_what_no_server_could_run_before_starting_any(tmp_path, change, message):
-    from bitune.serve.bench import bench_serve
+    from bitune.bench.serve import bench_serve
 
     save_checkpoint(tmp_path)
     args = types.SimpleNamespace(**{"clients": 1, "requests": 1, "rounds": 1, "threads": 1, "max_batch_size": 1,

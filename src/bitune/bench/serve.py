@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BituneError
+from .helpers import interleaved
 
 TEXT = ("The history of science is the study of the development of science and scientific knowledge, including "
         "both the natural and social sciences. Science is a body of empirical, theoretical, and practical "
@@ -193,7 +194,7 @@ def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str,
                 wait_ready(s)
                 load(s, texts, 1, min(args.new_tokens, 4))  # warm-up: the first request pays one-time costs
             for r in range(args.rounds):
-                for s in (servers if r % 2 == 0 else servers[::-1]):  # alternate the order: a trend cancels
+                for s in interleaved(servers, r):
                     s.results.append(load(s, texts, args.requests, args.new_tokens))
                     print(f"bitune bench serve: round {r + 1}: {s.name}: {s.results[-1]['tokens_per_s']:.1f} "
                           f"tokens/s", file=sys.stderr)

@@ -9,7 +9,7 @@ optionally with per-layer activation checkpointing, takes one AdamW step on a ra
   (:func:`bitune.train.sharding.state_bytes`). DDP replicates all three (its gradient buckets, one more gradient
   copy, are not counted); FSDP2 holds 1/N of each;
 - **activation bytes**: the distinct storages autograd saves for the backward during the step's forward
-  (``torch.autograd.graph.saved_tensors_hooks``; parameters and views of them excluded): deterministic, and what
+  (:class:`bitune.bench.helpers.SavedBytes`; parameters and views of them excluded): deterministic, and what
   checkpointing cuts.
 
 ``--meta`` builds the model on the meta device and counts the static bytes without a step (parameters, gradients
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .helpers import count_saved, random_batch, write_json
+
 RUNS = [("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)]
 
 
@@ -39,10 +41,12 @@ def bench_sharding(args) -> dict:
     """Launch the worker in ``args.num_processes`` processes and return (and print) rank 0's measurements."""
     if args.num_processes < 2:
         raise ValueError("bench sharding needs --num-processes >= 2 (it compares DDP with FSDP2)")
+    if args.prompt < 2 or args.answer < 1 or args.batch_size < 1:
+        raise ValueError("bench sharding needs --prompt >= 2, --answer >= 1 and --batch-size >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.num_processes}",
-               "-m", "bitune.commands.bench_sharding", "--model", args.model, "--method", args.method,
+               "-m", "bitune.bench.sharding", "--model", args.model, "--method", args.method,
                "--prompt", str(args.prompt), "--answer", str(args.answer), "--batch-size", str(args.batch_size),
                "--out", str(out)] + (["--meta"] if args.meta else [])
         env = dict(os.environ)
@@ -89,21 +93,6 @@ def _model(name: str, method: str, meta: bool):
         return BituneModel.wrap(AutoModelForCausalLM.from_config(hf_config), config).train()
 
 
-class _ActivationBytes:
-    """Bytes of the distinct storages autograd saves for the backward, parameters and views of parameters (the
-    ``weight.t()`` a linear layer saves; FSDP's gathered parameters too) excluded: activations only."""
-
-    def __init__(self):
-        self.storages: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor):
-        base = t if t._base is None else t._base
-        if not isinstance(base, torch.nn.Parameter) and not (base.requires_grad and base.is_leaf):
-            s = t.untyped_storage()
-            self.storages[s.data_ptr()] = s.nbytes()
-        return t
-
-
 def _measure(args, wrap: str, checkpointing: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -124,17 +113,13 @@ def _measure(args, wrap: str, checkpointing: bool) -> dict:
             optimizer.state[p] = {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
     else:
-        vocab = model.text_config.vocab_size
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.prompt), generator=g)
-        answer = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.answer), generator=g)
-        counter = _ActivationBytes()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            loss = trained(prompt, torch.ones_like(prompt), answer, torch.ones_like(answer)).loss
+        batch = random_batch(model.text_config.vocab_size, args.batch_size, args.prompt, args.answer)
+        with count_saved() as counter:
+            loss = trained(*batch).loss
         loss.backward()
         sharding.clip(params, 1.0)
         optimizer.step()
-        saved = sum(counter.storages.values())
+        saved = counter.activations
     held = sharding.state_bytes(model, optimizer)
     return {"wrap": wrap, "checkpointing": checkpointing, **held, "static": sum(held.values()),
             "activation_bytes": saved}
@@ -152,18 +137,14 @@ def _activations(args) -> dict[bool, int]:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model(args.model)))
     model = BituneModel.wrap(base, BituneConfig(variant="bitune", method=args.method)).train()
-    vocab = model.text_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.prompt), generator=g)
-    answer = torch.randint(min(100, vocab // 2), vocab, (args.batch_size, args.answer), generator=g)
+    batch = random_batch(model.text_config.vocab_size, args.batch_size, args.prompt, args.answer)
     out = {}
     for checkpointing in (False, True):
         if checkpointing:
             model.enable_checkpointing()
-        counter = _ActivationBytes()
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            model(prompt, torch.ones_like(prompt), answer, torch.ones_like(answer))
-        out[checkpointing] = sum(counter.storages.values())
+        with count_saved() as counter:
+            model(*batch)
+        out[checkpointing] = counter.activations
     return out
 
 
@@ -189,10 +170,9 @@ def main() -> None:
     for r in runs:
         r["static_vs_ddp"] = r["static"] / ddp[r["checkpointing"]]
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({
-            "model": args.model, "method": args.method, "processes": dist.get_world_size(), "meta": args.meta,
-            "batch_size": args.batch_size, "prompt": args.prompt, "answer": args.answer,
-            "threads": torch.get_num_threads(), "runs": runs}, indent=2))
+        write_json({"model": args.model, "method": args.method, "processes": dist.get_world_size(),
+                    "meta": args.meta, "batch_size": args.batch_size, "prompt": args.prompt, "answer": args.answer,
+                    "threads": torch.get_num_threads(), "runs": runs}, args.out)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,141 @@
+"""``bitune bench generate``: the paper's inference table (section 3.4) for the base model, LoRA and Bitune.
+
+Prefill a long prompt, generate N tokens; a streamer timestamps every new token, so prefill time and decode rate
+come from the same call. Also the memory each model holds (parameters, buffers, merged copies) against the base
+model's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..hub import load_model
+from .helpers import build, device_dtype, interleaved, random_prompts, sync
+
+
+class TokenClock:
+    """A ``generate`` streamer that timestamps each new token: prefill = start to the first new token, decode
+    rate = tokens after the first over the time since the first, all from the same call."""
+
+    def __init__(self, device):
+        self.device = device
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate first hands the streamer the prompt
+            self._prompt_seen = True
+            return
+        sync(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer a model holds, plus a merged Bitune model's bidir copies
+    (DoRA, IA3)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    weights = getattr(model, "weights", None)
+    for _, weight, bias in getattr(weights, "_bidir_merged", []):
+        tensors.update({id(t): t for t in (weight, bias) if t is not None})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@torch.no_grad()
+def bench_generate(args) -> dict:
+    """Prefill a prompt and decode ``new_tokens`` greedily, interleaved, for: the base model (transformers'
+    ``generate`` on the plain model), LoRA merged and unmerged (PEFT's model, transformers' ``generate``), and
+    Bitune merged (the default for inference; prompt read ``batched`` and ``sequential``) and unmerged. Ratios
+    are against the base model."""
+    if args.new_tokens < 2 or args.prompt_tokens < 2 or args.repeats < 1:
+        raise ValueError("bench generate needs --prompt-tokens >= 2, --new-tokens >= 2 and --repeats >= 1")
+    device, dtype = device_dtype(args.dtype)
+    base_model, tokenizer = load_model(args.model, dtype=dtype)
+    base_model = base_model.to(device).eval()
+    base_copy = load_model(args.model, dtype=dtype)[0].to(device).eval()  # the control: same model, measured again
+    bitune, _ = build(args.model, "bitune", device, dtype)
+    bitune_unmerged, _ = build(args.model, "bitune", device, dtype)
+    lora, _ = build(args.model, "lora", device, dtype)
+    lora_unmerged, _ = build(args.model, "lora", device, dtype)
+    for m in (bitune, bitune_unmerged, lora, lora_unmerged):
+        m.eval()
+    bitune.merge()
+    lora.merge()
+    prompt = random_prompts(bitune.text_config.vocab_size, 1, args.prompt_tokens, device)
+    gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+
+    def bitune_generate(model, passes):
+        def run(n, streamer):
+            model.prompt_passes = passes  # same weights, prompt read batched or sequentially
+            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
+        return run
+
+    def hf_generate(model):  # transformers' own generate from scratch
+        def run(n, streamer):
+            return model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
+                                  min_new_tokens=n, streamer=streamer, **gen)
+        return run
+
+    default = bitune.prefill_path(args.prompt_tokens - 1)  # what prompt_passes="auto" reads this prompt with
+    other = "sequential" if default == "batched" else "batched"
+    runners = {"base": hf_generate(base_model), "base_copy": hf_generate(base_copy),
+               "lora": hf_generate(lora.weights.model),
+               "lora_unmerged": hf_generate(lora_unmerged.weights.model),
+               "bitune": bitune_generate(bitune, "auto"), f"bitune_{other}": bitune_generate(bitune, other),
+               "bitune_unmerged": bitune_generate(bitune_unmerged, "auto")}
+    for fn in runners.values():
+        fn(2, None)  # warm-up
+    samples = {name: [] for name in runners}
+    for i in range(args.repeats):
+        for name, fn in interleaved(runners.items(), i):
+            clock = TokenClock(device)
+            out = fn(args.new_tokens, clock)
+            assert out.shape[-1] >= args.new_tokens and len(clock.times) == args.new_tokens
+            samples[name].append(clock)
+    rows = {}
+    for name, clocks in samples.items():
+        rows[name] = {"prefill_s": statistics.median(c.times[0] - c.start for c in clocks),
+                      "decode_tok_s": statistics.median((len(c.times) - 1) / (c.times[-1] - c.times[0])
+                                                        for c in clocks),
+                      "total_s": statistics.median(c.times[-1] - c.start for c in clocks)}
+    memory = {"base": held_bytes(base_model), "lora": held_bytes(lora), "lora_unmerged": held_bytes(lora_unmerged),
+              "bitune": held_bytes(bitune), "bitune_unmerged": held_bytes(bitune_unmerged)}
+    summary = {"default": default, "memory_bytes": memory,
+               "memory_ratio": {k: v / memory["base"] for k, v in memory.items() if k != "base"}}
+    for name in runners:
+        if name != "base":
+            summary[name] = {"prefill_ratio": rows[name]["prefill_s"] / rows["base"]["prefill_s"],
+                             "decode_ratio": rows[name]["decode_tok_s"] / rows["base"]["decode_tok_s"],
+                             "total_ratio": rows[name]["total_s"] / rows["base"]["total_s"]}
+    table = Table(title=f"Generation, {args.model}, {device.type}, prompt {args.prompt_tokens} tokens, "
+                        f"{args.new_tokens} new tokens, median of {args.repeats}; ratios vs the base model")
+    for col in ("model", "prefill s", "decode tok/s", "total s", "prefill x", "decode x"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        ratio = summary.get(name, {"prefill_ratio": 1.0, "decode_ratio": 1.0})
+        table.add_row(name, f"{r['prefill_s']:.3f}", f"{r['decode_tok_s']:.2f}", f"{r['total_s']:.2f}",
+                      f"{ratio['prefill_ratio']:.2f}", f"{ratio['decode_ratio']:.3f}")
+    Console().print(table)
+    Console().print(f"Memory held (parameters, buffers, merged copies) / base model: Bitune merged "
+                    f"{summary['memory_ratio']['bitune']:.3f}x, unmerged {summary['memory_ratio']['bitune_unmerged']:.3f}x, "
+                    f"LoRA merged {summary['memory_ratio']['lora']:.3f}x (target: Bitune merged <= 1.10x + the bidir "
+                    f"difference).")
+    Console().print(f"Noise floor: a second copy of the base model measured the same way: prefill "
+                    f"{summary['base_copy']['prefill_ratio']:.2f}x, decode {summary['base_copy']['decode_ratio']:.3f}x "
+                    "(a ratio closer to 1 than this is not resolved by this run).")
+    Console().print(f"Bitune (merged, {default}) / base: prefill {summary['bitune']['prefill_ratio']:.2f}x (target "
+                    f"<= 2.1x), decode tok/s {summary['bitune']['decode_ratio']:.3f}x (target >= 0.97x); LoRA "
+                    f"(merged) decode {summary['lora']['decode_ratio']:.3f}x (target >= 0.97x). Unmerged: Bitune "
+                    f"decode {summary['bitune_unmerged']['decode_ratio']:.3f}x, LoRA "
+                    f"{summary['lora_unmerged']['decode_ratio']:.3f}x.")
+    return {"device": str(device), "dtype": str(dtype), "model": args.model, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "rows": rows, **summary}
+
