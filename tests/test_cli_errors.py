@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,263 @@ def test_a_bad_command_line_is_one_line_with_help_advice(argv, prog, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "usage:" not in err, err
     assert err.startswith(f"{prog}: error: ") and err.endswith(f"; see {prog} --help\n"), err
+
+
+# ------------------------------------------------------------------ the inputs a careful user still gets wrong
+def _run(argv, capsys, verb=None) -> str:
+    """Run ``bitune ARGV``, assert the failure is one error line with exit status 2, and return the line."""
+    assert main(argv) == 2
+    return one_error_line(capsys, verb or argv[0])
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if a command gets as far as generating, evaluating or training."""
+    import bitune.commands.generate
+    import bitune.commands.sweep
+    import bitune.eval.evaluate
+
+    def fail(*a, **k):
+        pytest.fail("the command ran before refusing its input")
+
+    monkeypatch.setattr(bitune.commands.generate, "generate_texts", fail)
+    monkeypatch.setattr(bitune.eval.evaluate, "evaluate", fail)
+    monkeypatch.setattr(bitune.commands.sweep, "evaluate_run", fail)
+    monkeypatch.setattr(bitune.commands.sweep, "train_run", fail)
+
+
+EVAL_RECORD = {"schema": "bitune-eval/1", "label": "lora", "tasks": {"piqa": {"acc": 0.5}},
+               "config": {"train_seed": 42, "limit": None}}
+"""A minimal ``bitune eval`` result, for ``bitune report``."""
+
+EMPTY_PATHS = [  # (argv with {ckpt} and {p} for the empty or blank path, the option named)
+    (["generate", "--checkpoint", "{ckpt}", "--input", "{p}"], "--input"),
+    (["generate", "--checkpoint", "{ckpt}", "--input", "{input}", "--output", "{p}"], "--output"),
+    (["generate", "--checkpoint", "{p}", "--prompt", "hi"], "--checkpoint"),
+    (["generate", "--checkpoint", "{ckpt}", "--base", "{p}", "--prompt", "hi"], "--base"),
+    (["chat", "--checkpoint", "{ckpt}", "--save", "{p}"], "--save"),
+    (["plot", "mixing", "--log", "{p}", "--output", "figs"], "--log"),
+    (["plot", "mixing", "--log", "{input}", "--output", "{p}"], "--output"),
+    (["eval", "--checkpoint", "{p}", "--tasks", "piqa"], "--checkpoint"),
+    (["eval", "--checkpoint", "{ckpt}", "--tasks", "piqa", "--output", "{p}"], "--output"),
+    (["report", "{p}"], "RUN"),
+    (["report", "{runs}", "--output", "{p}"], "--output"),
+    (["report", "{runs}", "--output", "out", "--embed", "{p}"], "--embed"),
+    (["export", "--checkpoint", "{ckpt}", "--merged", "{p}"], "--merged"),
+    (["train", "--config", "{p}", "--dry-run"], "config file"),
+    (["sweep", "--config", "{config}", "--methods", "pretrained", "--tasks", "piqa", "--output-dir", "{p}"],
+     "--output-dir"),
+    (["quickstart", "--output-dir", "{p}"], "--output-dir"),
+]
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+@pytest.mark.parametrize("argv, named", EMPTY_PATHS)
+def test_an_empty_or_blank_path_is_named_and_never_means_the_current_folder(argv, named, blank, saved, tmp_path,
+                                                                            monkeypatch, capsys, no_work):
+    """``Path("")`` is the current folder and ``" "`` a file called " ": neither is what the user meant to name
+    (an empty shell variable); before, ``--merged ""`` replaced the current folder, ``--output ""`` wrote to stdout
+    or into the checkpoint, ``--base ""`` loaded the recorded base and ``--output " "`` wrote a file named " "."""
+    ckpt, _ = saved
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (work / "train.yaml").write_text(f"model: {ckpt.parent / 'base'}\n")
+    (work / "runs" / "lora-42").mkdir(parents=True)
+    (work / "runs" / "lora-42" / "eval.json").write_text(json.dumps(EVAL_RECORD))
+    monkeypatch.chdir(work)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    before = sorted(p.name for p in work.iterdir())
+    argv = [a.format(ckpt=ckpt, p=blank, input=work / "in.jsonl", runs=work / "runs", config=work / "train.yaml")
+            for a in argv]
+    line = _run(argv, capsys)
+    assert named in line and ("is empty" in line or "is blank" in line), line
+    assert sorted(p.name for p in work.iterdir()) == before  # nothing written where the user stands
+
+
+@pytest.mark.parametrize("case", ["generate", "chat", "eval", "eval_folder"])
+def test_an_output_never_overwrites_the_base_model(case, saved, capsys, monkeypatch, no_work):
+    """The base model a command loads (--model, --base, or the one the checkpoint records) is an input too."""
+    ckpt, _ = saved
+    base = ckpt.parent / "base"
+    kept = {p: p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    argv = {"generate": ["generate", "--checkpoint", str(ckpt), "--input", str(ckpt.parent / "in.jsonl"),
+                         "--output", str(base / "config.json")],
+            "chat": ["chat", "--model", str(base), "--save", str(base / "tokenizer.json")],
+            "eval": ["eval", "--checkpoint", str(ckpt), "--base", str(base), "--tasks", "piqa",
+                     "--output", str(base / "config.json")],
+            "eval_folder": ["eval", "--checkpoint", str(ckpt), "--tasks", "piqa", "--output", str(base)]}[case]
+    (ckpt.parent / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    line = _run(argv, capsys)
+    assert str(base) in line and "must stay as it is" in line
+    assert {p: p.read_bytes() for p in kept} == kept
+
+
+@pytest.mark.parametrize("target", ["current_folder", "run", "base_model", "file", "other_files"])
+def test_export_replaces_only_a_new_empty_or_exported_folder(target, saved, tmp_path, monkeypatch, capsys):
+    """--merged is replaced whole: a folder that holds anything else (a run, the base model, the user's files, the
+    current folder) is refused with what it holds, before anything loads, and left as it was."""
+    ckpt, _ = saved
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "log.jsonl").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("mine")
+    monkeypatch.chdir(run)
+    merged = {"current_folder": ".", "run": str(run), "base_model": str(ckpt.parent / "base"),
+              "file": str(tmp_path / "notes.txt"), "other_files": str(tmp_path / "other")}[target]
+    kept = {p: p.read_bytes() for p in [*tmp_path.rglob("*"), *(ckpt.parent / "base").rglob("*")] if p.is_file()}
+    line = _run(["export", "--checkpoint", str(ckpt), "--merged", merged], capsys)
+    assert "--merged" in line and ("holds other files" in line or "is a file" in line), line
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert (run / "final").is_dir()
+
+
+def test_export_still_replaces_an_earlier_export(saved, tmp_path):
+    ckpt, _ = saved
+    out = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(out)]) == 0
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "bitune" / "bitune_config.json").is_file()
+
+
+NEAR_MISSES = [  # (argv, what the error suggests)
+    (["train", "--set", "bitune.variant=bitnue", "--dry-run"], "did you mean 'bitune'"),
+    (["train", "--set", "bitune.method=lroa", "--dry-run"], "did you mean 'lora'"),
+    (["train", "--set", "dataset=alpaca_dem", "--dry-run"], "did you mean 'alpaca_demo'"),
+    (["train", "--set", "model=smollm2-135", "--dry-run"], "did you mean the built-in 'smollm2-135m'"),
+    (["train", "--set", "model={ckpt}", "--dry-run"], "is a Bitune checkpoint, not a base model"),
+    (["train", "--config", "{root}/task.yml", "--dry-run"], "did you mean {root}/task.yaml"),
+    (["eval", "--checkpoint", "{ckpt}", "--tasks", "arc-challenge"], "did you mean 'arc_challenge'"),
+    (["sweep", "--methods", "lroa16", "--output-dir", "{root}/sweep"], "did you mean 'lora16'"),
+    (["generate", "--checkpoint", "{root}", "--prompt", "hi"], "did you mean {ckpt}, the checkpoint in it"),
+    (["generate", "--model", "{ckpt}", "--prompt", "hi"], "is a Bitune checkpoint, not a base model"),
+    (["generate", "--checkpoint", "{ckpt}", "--base", "{ckpt}", "--prompt", "hi"], "is a Bitune checkpoint"),
+    (["plot", "mixing", "--log", "{root}", "--output", "{root}/figs"], "did you mean {root}/log.jsonl"),
+    (["report", "{root}/runs", "--baselines", "lroa", "--no-figure"], "did you mean 'lora'"),
+]
+
+
+@pytest.mark.parametrize("argv, hint", NEAR_MISSES)
+def test_a_near_miss_name_suggests_the_right_one(argv, hint, saved, tmp_path, capsys, no_work):
+    """A misspelt name, a run folder for its checkpoint or log, a checkpoint for a base model: the error says what
+    was probably meant (before, several were accepted until the command failed later, or named nothing)."""
+    ckpt, _ = saved
+    root = tmp_path / "run"
+    (root / "final").mkdir(parents=True)
+    for name in ("bitune_config.json", "mixer.safetensors"):
+        (root / "final" / name).write_bytes((ckpt / name).read_bytes())
+    (root / "log.jsonl").write_text('{"step": 1, "a_k": [0.5, 0.5], "a_v": [0.5, 0.5]}\n')
+    (root / "task.yaml").write_text("lr: 1e-3\n")
+    (root / "runs" / "lora-42").mkdir(parents=True)
+    (root / "runs" / "lora-42" / "eval.json").write_text(json.dumps(EVAL_RECORD))
+    fill = {"ckpt": root / "final" if "{ckpt}, the" in hint else ckpt, "root": root}
+    line = _run([a.format(**fill) for a in argv], capsys)
+    assert hint.format(**fill) in line, line
+
+
+def test_a_yaml_key_written_twice_is_refused(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys without a word (YAML allows none): the first lr would be ignored."""
+    config = tmp_path / "task.yaml"
+    config.write_text("lr: 1e-3\nsteps: 5\nbitune:\n  rank: 4\nlr: 3e-4\n")
+    line = _run(["train", "--config", str(config), "--dry-run"], capsys)
+    assert str(config) in line and "key 'lr' appears twice" in line and "line 5" in line
+    from bitune.train.settings import read_yaml
+
+    config.write_text("a: &a {lr: 0.001, steps: 5}\nb:\n  <<: *a\n  steps: 6\n")  # a merge key may be overridden
+    assert read_yaml(config) == {"a": {"lr": 0.001, "steps": 5}, "b": {"lr": 0.001, "steps": 6}}
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda ckpt: (ckpt.parent / "settings.yaml").write_text("seed: [42\n"), "not valid YAML"),
+    (lambda ckpt: (ckpt.parent / "settings.yaml").write_text("- 42\n"), "not the settings of a 'bitune train' run"),
+    (lambda ckpt: (ckpt.parent / "settings.yaml").write_bytes(b"seed: 42\n# \xff\n"), "not UTF-8"),
+])
+def test_eval_refuses_a_damaged_run_settings_file_before_evaluating(damage, named, saved, tmp_path, capsys,
+                                                                    no_work):
+    """eval reads the training seed from the run's settings.yaml: a damaged one was an unexpected error (exit 1)
+    after the whole evaluation; now it is named before anything loads."""
+    ckpt, _ = saved
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    for p in ckpt.iterdir():
+        if p.is_file():
+            (run / "final" / p.name).write_bytes(p.read_bytes())
+        else:
+            (run / "final" / p.name).mkdir()
+            for q in p.iterdir():
+                (run / "final" / p.name / q.name).write_bytes(q.read_bytes())
+    damage(run / "final")
+    line = _run(["eval", "--checkpoint", str(run / "final"), "--tasks", "piqa", "--output", str(tmp_path / "e.json")],
+                capsys)
+    assert str(run / "settings.yaml") in line and named in line
+
+
+def test_damaged_base_model_weights_are_a_user_error(saved, tmp_path, capsys):
+    """A truncated model.safetensors in a base model folder was an unexpected SafetensorError (exit 1)."""
+    ckpt, _ = saved
+    base = tmp_path / "base"
+    base.mkdir()
+    for p in (ckpt.parent / "base").iterdir():
+        base.joinpath(p.name).write_bytes(p.read_bytes()[:200] if p.name == "model.safetensors" else p.read_bytes())
+    line = _run(["generate", "--model", str(base), "--prompt", "hi", "--device", "cpu"], capsys)
+    assert str(base) in line and "deserializing header" in line
+
+
+def test_a_damaged_training_log_is_named_or_kept_on_resume(tmp_path):
+    """Resuming cuts the log back to the checkpoint's step: a line that is no step's record is kept as it is
+    (it was an AttributeError, exit 1), undecodable bytes are named with the file."""
+    from bitune.errors import BituneError
+    from bitune.train.run_folder import truncate_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n{"step": "x"}\n{"step": 2, "lo')
+    truncate_log(log, 2)
+    assert log.read_text() == '{"step": 1}\n[1, 2]\n{"step": "x"}\n'
+    log.write_bytes(b'{"step": 1}\n\xff\n')
+    with pytest.raises(BituneError, match=f"training log {log}: not UTF-8 text"):
+        truncate_log(log, 2)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "--checkpoint", "{ckpt}", "--prompt", "hi", "--seed", "-1"], "--seed -1"),
+    (["chat", "--checkpoint", "{ckpt}", "--seed", "4294967296"], "--seed 4294967296"),
+    (["quickstart", "--seed", "-1", "--output-dir", "{tmp}/qs"], "--seed -1"),
+    (["generate", "--checkpoint", "{ckpt}", "--input", "{tmp}/in.jsonl", "--batch-size", "0"], "--batch-size 0"),
+    (["sweep", "--config", "{tmp}/train.yaml", "--methods", "pretrained,lora", "--seeds", "42,-1", "--tasks",
+      "piqa", "--output-dir", "{tmp}/sweep"], "--seeds: -1"),
+    (["sweep", "--config", "{tmp}/train.yaml", "--methods", "lora", "--seeds", "42", "--tasks", "piqa", "--device",
+      "gpu", "--output-dir", "{tmp}/sweep"], "--device 'gpu'"),
+])
+def test_a_bad_number_or_device_is_named_before_anything_runs(argv, named, saved, tmp_path, capsys, monkeypatch,
+                                                              no_work):
+    """A negative seed was numpy's "Seed must be between 0 and 2**32 - 1" (naming no option); a sweep found a bad
+    seed or --device only after evaluating or training the runs before it."""
+    ckpt, _ = saved
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "train.yaml").write_text(f"model: {ckpt.parent / 'base'}\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    line = _run([a.format(ckpt=ckpt, tmp=tmp_path) for a in argv], capsys)
+    assert named in line, line
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.slow
+def test_num_processes_damaged_run_settings_is_one_line_exit_2(saved, tmp_path):
+    """The multi-process path: every launched process finds the damaged settings.yaml; one line, once, exit 2."""
+    ckpt, _ = saved
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    for name in ("bitune_config.json", "mixer.safetensors"):
+        (run / "final" / name).write_bytes((ckpt / name).read_bytes())
+    (run / "settings.yaml").write_text("seed: [42\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "bitune.cli", "eval", "--num-processes", "2", "--checkpoint", str(run / "final"),
+           "--tasks", "piqa", "--limit", "2", "--device", "cpu", "--output", str(tmp_path / "e.json")]
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode == 2, job.stderr
+    lines = [x for x in job.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("bitune eval: error: ") and "settings.yaml" in lines[0], job.stderr
+    assert not (tmp_path / "e.json").exists()

@@ -209,12 +209,13 @@ def test_a_launched_user_error_is_shown_once(tmp_path, capsys):
 def test_cli_num_processes_user_error_is_one_line_exit_2(tmp_path):
     """A bad setting that only the launched processes find: one error line, exit status 2, no launcher traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "bitune.cli", "train", "--num-processes", "2", "--set", f"model={tmp_path}/nope",
+    (tmp_path / "empty").mkdir()  # a folder, as a model must be (checked before the launch), but no model in it
+    cmd = [sys.executable, "-m", "bitune.cli", "train", "--num-processes", "2", "--set", f"model={tmp_path}/empty",
            "--set", f"output_dir={tmp_path / 'run'}", "--set", "steps=1"]
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert job.returncode == 2, job.stderr
     lines = [x for x in job.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("bitune train: error: model folder") and "nope" in lines[0], \
+    assert len(lines) == 1 and lines[0].startswith("bitune train: error: cannot load model") and "empty" in lines[0], \
         job.stderr
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import BituneConfig
 from .errors import BituneError
-from .files import apply_umask, read_text, replace_dir
+from .files import apply_umask, check_named, read_text, replace_dir
 from .modelcard import CARD_FILE, Training, is_ours
 from .modelcard import write as write_card
 
@@ -172,9 +172,19 @@ def read_config(directory: str | os.PathLike) -> BituneConfig:
     Older checkpoints still load: one written before templates were recorded was trained with ``paper``; one
     written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a runtime choice now).
     """
-    path = Path(directory) / CONFIG_FILE
+    directory = Path(check_named(directory, "the checkpoint folder"))
+    path = directory / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing")
+        if not directory.exists():
+            raise BituneError(f"{directory} is not a Bitune checkpoint: no such folder")
+        if not directory.is_dir():
+            raise BituneError(f"{directory} is not a Bitune checkpoint: it is a file, not a folder")
+        inner = [p.parent for p in directory.glob(f"*/{CONFIG_FILE}")]  # a run folder: final/, checkpoint-N/
+        step = {p: p.name.rpartition("-")[2] for p in inner}
+        newest = max(inner, key=lambda p: (p.name == "final", int(step[p]) if step[p].isdigit() else -1),
+                     default=None)
+        hint = f"; did you mean {newest}, the checkpoint in it?" if newest else ""
+        raise BituneError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing{hint}")
     try:
         data = json.loads(read_text(path, "Bitune config"))
         if isinstance(data, dict):

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import did_you_mean
+
 VARIANTS: dict[str, str] = {
     "bitune": "causal + bidirectional prompt passes with separate weights, mixed per layer (the method)",
     "naive_bidir": "one weight set, bidirectional prompt pass, no mixing",
@@ -181,7 +183,8 @@ def _check_number(name: str, value: Any) -> None:
 
 def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
     if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}")
+        hint = did_you_mean(value, allowed) if isinstance(value, str) else ""
+        raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}{hint}")
 
 
 __all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES", "PROMPT_PASSES"]

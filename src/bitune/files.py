@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import BituneError
+from .errors import BituneError, closest
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -56,9 +56,10 @@ def check_output_file(path: str | Path, what: str = "output file",
             writing there would destroy it. A ``None`` path is skipped.
 
     Raises:
-        BituneError: naming ``what``, the path and the problem.
+        BituneError: naming ``what``, the path and the problem (also an empty or blank path, which would name
+            the current folder or a file called " ").
     """
-    path = Path(path).expanduser()
+    path = Path(check_named(path, what)).expanduser()
     target = path.resolve()
     for name, kept in keep:
         if kept is None:
@@ -80,9 +81,9 @@ def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
     """Check, before any work, that ``path`` is (or can be created as) a folder this process may write into.
 
     Raises:
-        BituneError: naming ``what``, the path and the problem.
+        BituneError: naming ``what``, the path and the problem (also an empty or blank path).
     """
-    path = Path(path).expanduser()
+    path = Path(check_named(path, what)).expanduser()
     if path.exists() and not path.is_dir():
         raise BituneError(f"{what} {path} is a file, not a folder")
     if path.is_dir():
@@ -90,6 +91,43 @@ def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
             raise BituneError(f"{what} {path} is not writable (permission denied)")
         return path
     _check_parent(path, what)
+    return path
+
+
+def check_named(path: str | Path, what: str) -> str | Path:
+    """``path`` unchanged unless it is an empty or blank string: ``Path("")`` is the current folder and ``" "`` a
+    file called " ", never what a user meant to name.
+
+    Raises:
+        BituneError: ``what`` is empty.
+    """
+    if isinstance(path, str) and not path.strip():
+        raise BituneError(f"{what} is empty: give a path" if not path else f"{what} {path!r} is blank: give a path")
+    return path
+
+
+def check_input_file(path: str | Path, what: str = "file", expected: str | None = None) -> Path:
+    """Check, before it is read, that ``path`` names an existing file.
+
+    Args:
+        what: names the file in the error, e.g. ``"--input"``.
+        expected: the file name usually given here (e.g. ``log.jsonl``): a folder holding it is named in the hint.
+
+    Raises:
+        BituneError: the path is empty, does not exist (with the closest name in its folder, if one is close) or is
+            a folder (with ``folder/expected`` as the hint when that file exists).
+    """
+    path = Path(check_named(path, what)).expanduser()
+    if path.is_dir():
+        hint = f" (did you mean {path / expected}?)" if expected and (path / expected).is_file() else ""
+        raise BituneError(f"{what} {path} is a folder, not a file{hint}")
+    if not path.exists():
+        try:
+            close = closest(path.name, [p.name for p in path.parent.iterdir()], cutoff=0.8)  # a typo, not a guess
+        except OSError:  # no such folder either, or not readable
+            close = None
+        hint = f" (did you mean {path.with_name(close)}?)" if close else ""
+        raise BituneError(f"{what} {path}: not found{hint}")
     return path
 
 
@@ -108,9 +146,10 @@ def read_text(path: str | Path, what: str = "file") -> str:
     """The UTF-8 text of ``path``.
 
     Raises:
-        BituneError: the file is missing, unreadable or not UTF-8 (naming the file and the byte offset).
+        BituneError: the path is empty; the file is missing, unreadable or not UTF-8 (naming the file and the byte
+            offset).
     """
-    path = Path(path).expanduser()
+    path = Path(check_named(path, what)).expanduser()
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

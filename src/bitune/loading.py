@@ -11,6 +11,7 @@ import torch
 from .checkpoint import read_config
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
+from .files import check_named
 from .hub import check_dtype, load_model, resolve_device
 from .model import BituneModel
 
@@ -51,12 +52,15 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
     """
     if (checkpoint is None) == (model is None):
         raise BituneError("give exactly one of a checkpoint folder or a base model name")
+    for flag, value in (("--checkpoint", checkpoint), ("--base", base)):
+        if value is not None:
+            check_named(value, flag)  # "" is no folder to read, nor "use the recorded base model"
     if prompt_passes not in PROMPT_PASSES:
         raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
     device = resolve_device(device)
     check_dtype(dtype)
     if checkpoint is not None:
-        name = base or read_config(Path(checkpoint)).base_model
+        name = base if base is not None else read_config(Path(checkpoint)).base_model  # --base "": an error
         if not name:
             raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
         hf_model, tokenizer = load_model(name, dtype=dtype)

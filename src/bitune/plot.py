@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .adapters import WeightSets
 from .attention import attention_implementation
 from .errors import BituneError
-from .files import read_text
+from .files import check_input_file, read_text
 from .generation import encode, render
 from .inputs import check_prompt
 from .masks import pass_mask, position_ids
@@ -52,9 +52,7 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
         ratio 0.5 of every layer (training logs start at step ``log_every``); where a step is logged twice
         (the end-of-training summary repeats the last step), its last line counts.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise BituneError(f"--log {path}: no such file")
+    path = check_input_file(path, "--log", expected="log.jsonl")  # a run folder: its log.jsonl is named
     by_step: dict[int, tuple[list[float], list[float]]] = {}
     for n, line in enumerate(read_text(path, "--log").splitlines(), 1):
         if not line.strip():

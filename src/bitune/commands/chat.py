@@ -13,7 +13,7 @@ from ..chat import MODES, Conversation
 from ..errors import BituneError
 from ..files import check_output_file, check_text
 from ..loading import load_bitune
-from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options
+from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
 
 COMMANDS = "/reset clears the history, /exit (or /quit) quits, // starts a message with /"
 HELP = "multi-turn chat with a checkpoint in the terminal"
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise BituneError("--max-new-tokens must be >= 1")
     sampling = sampling_options(args)
-    if args.save:
-        check_output_file(args.save, "--save", keep=(("the checkpoint", args.checkpoint),))  # before loading
+    if args.save is not None:  # "" too: an error, not "do not save"
+        check_output_file(args.save, "--save", keep=model_inputs(args))  # before loading
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
                                    merge=not args.no_merge)
     if args.seed is not None:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             elif text.strip():
                 conv.say(text.lstrip()[1:] if command.startswith("//") else text)
     finally:
-        if args.save:
+        if args.save is not None:
             conv.save(args.save)
             print(f"bitune chat: conversation saved to {args.save}", file=sys.stderr)
     return 0

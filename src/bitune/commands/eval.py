@@ -10,8 +10,8 @@ from pathlib import Path
 from ..errors import BituneError
 from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run
-from ..files import check_output_file
-from .options import add_merge_option, add_prompt_passes_option, add_threads_option
+from ..files import check_named, check_output_file
+from .options import add_merge_option, add_prompt_passes_option, add_threads_option, model_inputs
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
 
@@ -53,8 +53,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def output_path(args: argparse.Namespace) -> Path | None:
-    if args.output:
-        out = Path(args.output)
+    if args.output is not None:
+        out = Path(check_named(args.output, "--output"))
         return out if out.suffix == ".json" else out / RESULT_FILE
     if args.checkpoint:
         ckpt = Path(args.checkpoint).resolve()
@@ -76,11 +76,13 @@ def eval_argv(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
+    if args.checkpoint is not None:
+        check_named(args.checkpoint, "--checkpoint")  # "" would be the current folder, searched below
     out = output_path(args)
     if out is not None:  # before the evaluation, not after it; eval.json may sit in the checkpoint, nothing else
         ckpt_files = [p for p in Path(args.checkpoint).rglob("*") if p.is_file()] if args.checkpoint else []
-        check_output_file(out, "--output", keep=tuple(("a file of the checkpoint", p) for p in ckpt_files
-                                                      if p.name != RESULT_FILE))
+        keep = tuple(("a file of the checkpoint", p) for p in ckpt_files if p.name != RESULT_FILE)
+        check_output_file(out, "--output", keep=(*keep, *model_inputs(args)[1:]))  # and --model/--base folders
     if args.num_processes > 1:
         from .launcher import launch
 

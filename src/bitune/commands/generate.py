@@ -17,10 +17,10 @@ from transformers import set_seed
 
 from ..config import TEMPLATES
 from ..errors import BituneError
-from ..files import check_output_file, check_text, read_text, write_text_atomic
+from ..files import check_input_file, check_output_file, check_text, read_text, write_text_atomic
 from ..generation import generate_texts, pick_template
 from ..loading import load_bitune
-from .options import HelpFormatter, add_model_options, add_sampling_options, sampling_options
+from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
 
 HELP = "generate answers from a checkpoint"
 
@@ -48,10 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_sampling_options(parser)
 
 
-def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
+def read_prompts(path: str | Path) -> tuple[list[dict], list[str]]:
     """Records of a JSONL prompt file and the prompt text of each (``prompt``, or ``instruction`` [+ ``input``])."""
-    if not path.is_file():
-        raise BituneError(f"--input {path}: no such file")
+    path = check_input_file(path, "--input")
     records, prompts = [], []
     for n, line in enumerate(read_text(path, "--input").splitlines(), 1):
         if not line.strip():
@@ -82,18 +81,18 @@ def read_prompts(path: Path) -> tuple[list[dict], list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        raise BituneError("--max-new-tokens and --batch-size must be >= 1")
-    if args.output and not args.input:
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise BituneError(f"{flag} {value}: must be >= 1")
+    if args.output is not None and args.input is None:
         raise BituneError("--output needs --input (a single --prompt is printed)")
     if args.prompt is not None and not args.prompt.strip():
         raise BituneError("--prompt is empty")
     if args.prompt is not None:
         check_text(args.prompt, "--prompt")
-    if args.output:
-        check_output_file(args.output, "--output", keep=(("--input", args.input), ("the checkpoint",
-                                                                                    args.checkpoint)))
-    records, prompts = read_prompts(Path(args.input)) if args.prompt is None else ([], [])  # fail before loading
+    if args.output is not None:  # "" too: an error, not stdout
+        check_output_file(args.output, "--output", keep=(("--input", args.input), *model_inputs(args)))
+    records, prompts = read_prompts(args.input) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
                                    merge=not args.no_merge)
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     answers = generate_texts(model, tokenizer, prompts, batch_size=args.batch_size, **common)
     _report_empty(answers, template)
     lines = "".join(json.dumps({**r, "output": a}) + "\n" for r, a in zip(records, answers))
-    if args.output:
+    if args.output is not None:
         write_text_atomic(Path(args.output), lines)
         print(f"bitune generate: {len(answers)} answers written to {args.output}", file=sys.stderr)
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+from pathlib import Path
 from typing import NoReturn
 
 from ..config import PROMPT_PASSES
@@ -83,6 +84,8 @@ def sampling_options(args: argparse.Namespace) -> dict:
             raise BituneError(f"--{flag.replace('_', '-')} {value}: must be {allowed}")
     if args.top_k is not None and args.top_k < 1:
         raise BituneError(f"--top-k {args.top_k}: must be >= 1")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise BituneError(f"--seed {args.seed}: must be in [0, 2**32)")
     opts = {"do_sample": args.do_sample}
     if args.do_sample:
         opts.update({k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None})
@@ -105,6 +108,26 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     add_prompt_passes_option(parser)
     add_merge_option(parser)
     add_threads_option(parser)
+
+
+def model_inputs(args: argparse.Namespace) -> tuple[tuple[str, str | None], ...]:
+    """What a verb with the model options reads, as :func:`bitune.files.check_output_file`'s ``keep``: the
+    checkpoint, and the base model where it is a local folder (``--model``, ``--base`` or the one the checkpoint
+    records; a built-in or hub name is no path)."""
+    def local(name: str | None) -> str | None:
+        return name if isinstance(name, str) and name.strip() and Path(name).expanduser().is_dir() else None
+
+    base = getattr(args, "base", None)
+    recorded = None
+    if args.checkpoint and base is None:
+        from ..checkpoint import read_config
+
+        try:
+            recorded = read_config(args.checkpoint).base_model
+        except ValueError:
+            pass  # the load reports what is wrong with the checkpoint
+    return (("the checkpoint", args.checkpoint), ("--model", local(args.model)), ("--base", local(base)),
+            ("the checkpoint's base model", local(recorded)))
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -63,8 +63,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("steps", "train_examples", "eval_examples", "batch_size"):
         if getattr(args, name) < 1:
             raise BituneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    out = Path(args.output_dir or f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}")
-    check_output_dir(out, "--output-dir")
+    if not 0 <= args.seed < 2**32:
+        raise BituneError(f"--seed {args.seed}: must be in [0, 2**32)")
+    out = check_output_dir(args.output_dir if args.output_dir is not None
+                           else f"runs/quickstart-{time.strftime('%Y%m%d-%H%M%S')}", "--output-dir")
     if out.exists() and any(out.iterdir()):
         raise BituneError(f"{out} is not empty; choose another --output-dir")
     if not math.isfinite(args.lr) or args.lr <= 0:

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..errors import BituneError
+from ..errors import BituneError, did_you_mean
 from ..eval.report import (
     EMBED_BEGIN,
     EMBED_END,
@@ -24,8 +24,10 @@ from ..eval.report import (
     title_of,
     write_report,
 )
+from ..files import check_input_file, check_named, check_output_dir, read_text
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
+DEFAULT_BASELINES = "lora,pretrained"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         choices=("exact_match_strict", "exact_match_flexible"), help="GSM8K metric to tabulate")
     parser.add_argument("--output", metavar="DIR",
                         help="folder for report.md, report.csv and report.png (default: the one folder given)")
-    parser.add_argument("--baselines", default="lora,pretrained",
+    parser.add_argument("--baselines", default=DEFAULT_BASELINES,
                         help="comma-separated methods every other method is compared with, question by question")
     parser.add_argument("--no-figure", action="store_true", help="do not write report.png")
     parser.add_argument("--embed", action="append", default=[], metavar="FILE.md",
@@ -64,27 +66,47 @@ def default_output(paths: list[str]) -> Path:
     raise BituneError("several inputs: name the folder for report.md/report.csv/report.png with --output")
 
 
+def check_baselines(text: str, labels: set[str]) -> tuple[str, ...]:
+    """The ``--baselines`` names; each one given (other than the default's) must be a method of the runs, else
+    the comparisons with it would be missing from the report without a word.
+
+    Raises:
+        BituneError: the list is empty, or names a method no run has (with the closest one).
+    """
+    baselines = tuple(b.strip() for b in text.split(",") if b.strip())
+    if not baselines:
+        raise BituneError(f"--baselines is empty: name the methods to compare with, or leave it out for "
+                          f"{DEFAULT_BASELINES}")
+    if text != DEFAULT_BASELINES:
+        unknown = [b for b in baselines if b not in labels]
+        if unknown:
+            raise BituneError(f"--baselines: no run is labelled {unknown[0]!r}{did_you_mean(unknown[0], labels)}; "
+                              f"the runs' methods: {', '.join(sorted(labels))}")
+    return baselines
+
+
 def run(args: argparse.Namespace) -> int:
-    output = Path(args.output) if args.output else default_output(args.runs)
+    output = check_output_dir(args.output, "--output") if args.output is not None else default_output(args.runs)
     records = load_records(find_results(args.runs))
     limits = {r["config"].get("limit") for r in records}
     if len(limits) > 1:
         print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
-    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    baselines = check_baselines(args.baselines, {r["label"] for r in records})
     analysis = analyse(records, args.metric, args.gsm8k_metric, baselines)
     report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines, analysis)
     print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
     paired = markdown.find("\n## ", markdown.find("## ") + 3)
     if paired >= 0:
         print(markdown[paired + 1:])
-    embeds = [(Path(d), markdown, EMBED_BEGIN, EMBED_END, "--embed") for d in args.embed]
+    embeds = [(Path(check_named(d, "--embed")), markdown, EMBED_BEGIN, EMBED_END, "--embed") for d in args.embed]
     for d in args.embed_summary:  # the full report linked relative to the document that shows the summary
-        full = Path(os.path.relpath(output / "report.md", Path(d).resolve().parent)).as_posix()
+        document = Path(check_named(d, "--embed-summary"))
+        full = Path(os.path.relpath(output / "report.md", document.resolve().parent)).as_posix()
         summary = build_summary(analysis, args.metric, args.gsm8k_metric, source=f"[{full}]({full})")
-        embeds.append((Path(d), summary, SUMMARY_BEGIN, SUMMARY_END, "--embed-summary"))
+        embeds.append((document, summary, SUMMARY_BEGIN, SUMMARY_END, "--embed-summary"))
     for document, text, begin, end, option in embeds:  # checked before anything is written
-        if not document.is_file() or begin not in document.read_text(encoding="utf-8") \
-                or end not in document.read_text(encoding="utf-8"):
+        now = read_text(check_input_file(document, option), option)
+        if begin not in now or end not in now:
             embed_report(document, text, begin, end, option)  # raises the error naming what is missing
     md, cs = write_report(report, output, markdown)
     print(f"bitune report: wrote {md} and {cs}")

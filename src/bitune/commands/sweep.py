@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
-from ..errors import BituneError
+from ..errors import BituneError, closest
 from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from ..eval.report import aggregate, load_records, print_report, write_report
 from ..eval.tasks import PREFIX, make_tasks
+from ..files import check_output_dir
+from ..hub import check_model_name, resolve_device
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
@@ -66,8 +68,11 @@ def parse_methods(text: str) -> list[Method]:
             continue
         m = _METHOD.match(name)
         if not m or m.group(1) not in VARIANTS or (m.group(1) == "pretrained" and m.group(2)):
-            raise BituneError(f"unknown method {name!r}: use a variant ({', '.join(VARIANTS)}) with an optional "
-                              "rank suffix, e.g. lora16")
+            base = name.rstrip("0123456789-_")
+            close, rank = closest(base, VARIANTS), name[len(base):].strip("-_")
+            hint = f" (did you mean {close + (rank if close != 'pretrained' else '')!r}?)" if close else ""
+            raise BituneError(f"unknown method {name!r}{hint}: use a variant ({', '.join(VARIANTS)}) with an "
+                              "optional rank suffix, e.g. lora16")
         methods.append(Method(name, m.group(1), int(m.group(2)) if m.group(2) else None))
     if not methods:
         raise BituneError("--methods is empty")
@@ -93,6 +98,9 @@ def parse_seeds(text: str) -> list[int]:
         raise BituneError(f"--seeds must be comma-separated integers, got {text!r}") from e
     if not seeds:
         raise BituneError("--seeds is empty")
+    bad = [s for s in seeds if not 0 <= s < 2**32]
+    if bad:  # found now, not after the runs of the seeds before it
+        raise BituneError(f"--seeds: {bad[0]} is not a seed (must be in [0, 2**32))")
     if len(set(seeds)) != len(seeds):  # the same run would count as two seeds, with zero spread
         raise BituneError(f"--seeds names {next(x for x in seeds if seeds.count(x) > 1)} twice")
     return seeds
@@ -137,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
     methods, seeds = parse_methods(args.methods), parse_seeds(args.seeds)
     check_eval_options(args.limit, args.batch_size)  # before anything trains
     base_model = load_settings(args.config, args.overrides).model  # validates the config up front
+    check_model_name(base_model)
+    resolve_device(args.device)  # the evaluations' device, checked before the first run trains
     with quiet_lm_eval():
         tasks = [t.config.task.removeprefix(PREFIX) for t in make_tasks(args.tasks)]
-    out = Path(args.output_dir)
-    if out.exists() and not out.is_dir():
-        raise BituneError(f"--output-dir {out} is a file, not a folder")
+    out = check_output_dir(args.output_dir, "--output-dir")
     results: list[Path] = []
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
     plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]

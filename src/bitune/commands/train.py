@@ -10,7 +10,7 @@ from ..config import BituneConfig
 from ..data.datasets import DATASETS
 from ..errors import BituneError
 from ..files import check_output_dir
-from ..hub import BUILTIN_MODELS
+from ..hub import BUILTIN_MODELS, check_model_name
 from ..processes import check_fsdp_processes, world_size
 from ..train.settings import TrainSettings, field_docs, load_settings
 from .launcher import launch
@@ -84,6 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, args.overrides + (["fsdp=true"] if args.fsdp else []))
     settings.check_dataset()
+    check_model_name(settings.model)  # a misspelt built-in, a missing folder, a checkpoint: before anything loads
     check_output_dir(settings.output_dir, "output_dir")
     if args.dry_run:
         print(settings.to_yaml(), end="")

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import BituneError
-from ..files import write_text_atomic
+from ..files import read_text, write_text_atomic
 from ..generation import pick_template
 from ..loading import load_bitune
 from ..processes import world_size
@@ -50,12 +50,25 @@ def default_label(config) -> str:
 
 
 def _train_seed(checkpoint: Path) -> int | None:
-    """The training seed from the run folder's ``settings.yaml`` (written by ``bitune train``), if any."""
+    """The training seed from the run folder's ``settings.yaml`` (written by ``bitune train``), if any.
+
+    Raises:
+        BituneError: that file is not UTF-8, not YAML, not a mapping, or its seed is not a whole number (the
+            report pairs runs by it: a wrong one would pair the wrong runs).
+    """
     for folder in (checkpoint, checkpoint.parent):
         path = folder / "settings.yaml"
         if path.is_file():
-            data = yaml.safe_load(path.read_text()) or {}
-            return data.get("seed")
+            try:
+                data = yaml.safe_load(read_text(path, "run settings")) or {}
+            except yaml.YAMLError as e:
+                raise BituneError(f"{path}: not valid YAML ({' '.join(str(e).split())}); the training seed is read "
+                                  "from it") from e
+            seed = data.get("seed") if isinstance(data, dict) else None
+            if not isinstance(data, dict) or not (seed is None or type(seed) is int):
+                raise BituneError(f"{path}: not the settings of a 'bitune train' run (a mapping with an integer "
+                                  "seed); the training seed is read from it")
+            return seed
     return None
 
 
@@ -187,6 +200,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     check_eval_options(limit, batch_size, max_new_tokens, seed, label)
     with quiet_lm_eval():
         make_tasks(tasks)  # unknown task names fail before the model loads
+    train_seed = _train_seed(Path(checkpoint)) if checkpoint else None  # a damaged settings.yaml too
     if template not in (None, "paper", "chat"):
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -217,7 +231,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         "config": {
             "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
             "model": config.base_model or model_name, "bitune": config.to_dict(),
-            "train_seed": _train_seed(Path(checkpoint)) if checkpoint else None,
+            "train_seed": train_seed,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
             "prompt_passes": model.prefill_path(),
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "processes": lm.world_size,

@@ -44,7 +44,7 @@ from rich.table import Table
 
 from ..config import VARIANTS
 from ..errors import BituneError
-from ..files import write_text_atomic
+from ..files import check_input_file, check_named, read_text, write_text_atomic
 from . import RESULT_FILE, SCHEMA
 from .stats import (
     BOOTSTRAP,
@@ -535,7 +535,7 @@ def plot_accuracy(tasks: dict[str, TaskRuns], metric: str, path: Path) -> Path |
 def find_results(paths: list[str]) -> list[Path]:
     """Eval JSON files: given files, plus every ``eval.json`` below given folders (sorted)."""
     files: list[Path] = []
-    for p in map(Path, paths):
+    for p in (Path(check_named(p, "RUN")) for p in paths):  # "" would search the current folder
         if p.is_file():
             files.append(p)
         elif p.is_dir():
@@ -858,9 +858,7 @@ def embed_report(document: Path, markdown: str, begin_marker: str = EMBED_BEGIN,
     Raises:
         BituneError: the document is missing or lacks the markers (nothing is written).
     """
-    if not document.is_file():
-        raise BituneError(f"{option} {document}: no such file")
-    text = document.read_text(encoding="utf-8")
+    text = read_text(check_input_file(document, option), option)
     begin, end = text.find(begin_marker), text.find(end_marker)
     if begin < 0 or end < begin:
         raise BituneError(f"{option} {document}: add the lines {begin_marker!r} and {end_marker!r} where the "

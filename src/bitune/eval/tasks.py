@@ -29,7 +29,7 @@ import datasets
 from lm_eval.api.task import ConfigurableTask
 
 from ..data import datasets as bitune_datasets
-from ..errors import BituneError
+from ..errors import BituneError, did_you_mean
 
 TASKS: dict[str, str] = {
     "piqa": "multiple_choice",
@@ -58,7 +58,7 @@ def task_name(name: str) -> str:
     """``piqa`` or ``bitune_piqa`` -> ``bitune_piqa``; raises a BituneError for an unknown benchmark."""
     short = name.removeprefix(PREFIX)
     if short not in TASKS:
-        raise BituneError(f"unknown task {name!r}; choose from {', '.join(TASKS)}")
+        raise BituneError(f"unknown task {name!r}{did_you_mean(short, TASKS)}; choose from {', '.join(TASKS)}")
     return PREFIX + short
 
 

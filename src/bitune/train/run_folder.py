@@ -226,12 +226,14 @@ def truncate_log(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, "training log").splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
+            logged = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut off by the interruption
+        at = logged.get("step", 0) if isinstance(logged, dict) else None
+        if not isinstance(at, int) or at <= step:  # a line that is no step's record is kept as it is
+            kept.append(line)
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 

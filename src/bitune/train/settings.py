@@ -24,8 +24,8 @@ import yaml
 
 from ..config import PROMPT_PASSES, BituneConfig
 from ..data import datasets
-from ..errors import BituneError
-from ..files import read_text
+from ..errors import BituneError, did_you_mean
+from ..files import check_input_file, read_text
 from ..hub import DEFAULT_MODEL
 
 EXTENDS_KEY = "extends"
@@ -163,8 +163,8 @@ class TrainSettings:
     def check_dataset(self) -> None:
         """Reject an unknown dataset name or split, or a malformed local file, before anything runs."""
         if self.dataset not in datasets.DATASETS and not self.dataset.endswith((".json", ".jsonl")):
-            raise BituneError(f"dataset={self.dataset!r} is not one of {', '.join(datasets.DATASETS)} "
-                              "nor a .json/.jsonl file")
+            raise BituneError(f"dataset={self.dataset!r}{did_you_mean(self.dataset, datasets.DATASETS)} is not one "
+                              f"of {', '.join(datasets.DATASETS)} nor a .json/.jsonl file")
         if self.dataset not in datasets.DATASETS:  # a local file: every row parsed and checked now (errors name row, field)
             for split in {self.train_split, self.eval_split} - {None}:
                 datasets.load_examples(self.dataset, split)
@@ -248,7 +248,7 @@ def load_settings(path: str | Path | list[str | Path] | None = None,
     paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
     data: dict[str, Any] = {}
     for p in paths:
-        data = _merge(data, read_yaml(Path(p)))
+        data = _merge(data, read_yaml(p))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -263,15 +263,13 @@ def load_settings(path: str | Path | list[str | Path] | None = None,
     return TrainSettings.from_dict(data)
 
 
-def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """One YAML config as a dict, merged over the file it ``extends`` (recursively)."""
-    path = path.expanduser()
-    if not path.is_file():
-        raise BituneError(f"config file not found: {path}")
+    path = check_input_file(path, "config file")
     if path.resolve() in _seen:
         raise BituneError(f"{path}: 'extends' forms a cycle")
     try:
-        data = yaml.safe_load(read_text(path, "config file"))
+        data = yaml.load(read_text(path, "config file"), Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as e:
         raise BituneError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
     if data is None:  # an empty file (or comments only): most likely the wrong file, not "all defaults"
@@ -286,6 +284,24 @@ def read_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML allows no duplicate keys; PyYAML would
+    keep the last one silently: ``lr: 1e-3`` then, further down, ``lr: 3e-4``)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' merges keys that the mapping may override
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
