@@ -19,9 +19,7 @@ from pathlib import Path
 
 from .commands.options import ArgumentParser, HelpFormatter
 from .errors import BituneError
-
-ERROR_DIR_ENV = "BITUNE_LAUNCH_ERRORS"
-"""Set by the ``--num-processes`` launcher: the folder where each launched process leaves its error line."""
+from .processes import ERROR_DIR_ENV
 
 VERBS: dict[str, tuple[str, str]] = {
     "quickstart": ("bitune.commands.quickstart",

@@ -10,6 +10,9 @@ import os
 
 from .errors import BituneError
 
+ERROR_DIR_ENV = "BITUNE_LAUNCH_ERRORS"
+"""Set by the ``--num-processes`` launcher: the folder where each launched process leaves its error line."""
+
 
 def world_size() -> int:
     """Processes in this job: ``WORLD_SIZE`` as torchrun and accelerate set it (1 outside a launched job).
@@ -37,4 +40,4 @@ def check_fsdp_processes(processes: int) -> None:
                           "under torchrun or accelerate launch")
 
 
-__all__ = ["check_fsdp_processes", "world_size"]
+__all__ = ["ERROR_DIR_ENV", "check_fsdp_processes", "world_size"]

@@ -8,9 +8,9 @@ import argparse
 from pathlib import Path
 
 from ..errors import BituneError
-from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_named, check_output_file
+from ..records import RESULT_FILE
 from .options import add_merge_option, add_prompt_passes_option, add_threads_option, model_inputs
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"

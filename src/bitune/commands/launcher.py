@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import BituneError
-from ..processes import world_size
+from ..processes import ERROR_DIR_ENV, world_size
 
 LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 """Loggers whose warnings (closing signals, per-rank failure lines) repeat what the ranks' own errors say."""
@@ -55,8 +55,6 @@ def launch(num_processes: int, argv: list[str]) -> int:
                           "drop --num-processes under torchrun or accelerate launch")
     if torch.cuda.is_available() and num_processes > torch.cuda.device_count():
         raise BituneError(f"--num-processes {num_processes}: only {torch.cuda.device_count()} GPU(s) visible")
-    from ..cli import ERROR_DIR_ENV
-
     threads_set = "OMP_NUM_THREADS" in os.environ
     if not torch.cuda.is_available() and not threads_set:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_processes))

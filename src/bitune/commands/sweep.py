@@ -20,12 +20,12 @@ from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
-from ..eval import RESULT_FILE
 from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from ..eval.report import aggregate, load_records, print_report, write_report
 from ..eval.tasks import PREFIX, make_tasks
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
+from ..records import RESULT_FILE
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
