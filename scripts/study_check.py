@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from bitune.eval.report import collect_runs, find_results, load_records, trivial_baselines
-from bitune.eval.stats import bootstrap_mean
+from bitune.stats import bootstrap_mean
 
 
 def main(folder: str) -> int:

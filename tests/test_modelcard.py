@@ -21,8 +21,8 @@ from huggingface_hub import ModelCard
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import VERBS
-from bitune.eval.stats import bootstrap_mean
 from bitune.modelcard import MARKER, find_evaluation, is_ours, render, tags_for, write
+from bitune.stats import bootstrap_mean
 from bitune.train.checkpoints import save_checkpoint as save_training_checkpoint
 from bitune.train.checkpoints import verify_checkpoint
 from bitune.train.trainer import checkpoints, run_training

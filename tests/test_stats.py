@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from bitune.eval.stats import (
+from bitune.stats import (
     bootstrap_mean,
     holm,
     mcnemar_exact,
@@ -72,7 +72,7 @@ def test_bootstrap_matches_the_binomial_interval_and_its_stored_draw():
 
 
 def test_seed_t_test_on_hand_computed_values():
-    from bitune.eval.stats import seed_t_test
+    from bitune.stats import seed_t_test
 
     # differences 1, 2, 3: mean 2, sd 1, t = 2 sqrt(3) with 2 df; P(|T| > t) = 1 - t / sqrt(2 + t^2) = 1 - sqrt(12/14)
     assert seed_t_test([1.0, 2.0, 3.0]) == pytest.approx(1 - math.sqrt(12 / 14), abs=1e-9)

@@ -283,7 +283,7 @@ def _evaluation_of(record: dict, source: str) -> Evaluation:
         table = samples.get(task) if isinstance(samples, dict) else None
         column = table.get(metric) if isinstance(table, dict) else None
         if isinstance(column, list) and column and all(_number(v) for v in column):
-            from .eval.stats import bootstrap_mean
+            from .stats import bootstrap_mean
 
             ci = bootstrap_mean(column)
             low, high, how = ci.low, ci.high, "bootstrap"

@@ -28,10 +28,10 @@ from ..data.datasets import load_examples
 from ..errors import BituneError
 from ..eval.evaluate import evaluate
 from ..eval.lm import BituneLM
-from ..eval.stats import bootstrap_mean, mcnemar_exact
 from ..files import check_output_dir, write_text_atomic
 from ..hub import DEFAULT_MODEL, load_model
 from ..model import BituneModel
+from ..stats import bootstrap_mean, mcnemar_exact
 from ..train.recipe import train as run_recipe
 from ..train.settings import TrainSettings
 from .options import HelpFormatter, add_threads_option

@@ -6,7 +6,7 @@ statistics.
    sample standard deviation (ddof=1); with one run it is undefined and shown as ``-``. The average column
    averages the tasks within each run first, then takes the mean and std of those per-run averages over seeds.
 2. **Accuracy with a 95% interval** per task and method: the per-question correctness averaged over the
-   method's seeds, its mean, and a bootstrap interval over questions (:mod:`bitune.eval.stats`); each seed's
+   method's seeds, its mean, and a bootstrap interval over questions (:mod:`bitune.stats`); each seed's
    accuracy is listed next to it.
 3. **Paired differences** against each baseline (``--baselines``, default LoRA and the pretrained model): per
    question, the method's correctness averaged over seeds minus the baseline's (over the same seeds when the
@@ -45,8 +45,7 @@ from rich.table import Table
 from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import check_input_file, check_named, read_text, write_text_atomic
-from . import RESULT_FILE, SCHEMA
-from .stats import (
+from ..stats import (
     BOOTSTRAP,
     bootstrap_mean,
     holm,
@@ -57,6 +56,7 @@ from .stats import (
     sign_flip_test,
     two_level_bootstrap,
 )
+from . import RESULT_FILE, SCHEMA
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
