@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .errors import BituneError, closest
 
@@ -158,6 +161,21 @@ def read_text(path: str | Path, what: str = "file") -> str:
                           f"{e.start}, line {line})") from e
     except OSError as e:
         raise BituneError(f"{what} {path}: cannot be read ({e.strerror or e})") from e
+
+
+def jsonl_records(path: str | Path, what: str = "file") -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of a JSON-lines file (read as :func:`read_text` reads it).
+
+    Raises:
+        BituneError: the file cannot be read as UTF-8 text, or a line is not valid JSON (naming ``path:line``).
+    """
+    for n, line in enumerate(read_text(path, what).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
 
 
 def check_text(text: str, where: str) -> str:

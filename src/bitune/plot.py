@@ -12,7 +12,6 @@ no global backend).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
     from .adapters import WeightSets
 from .attention import attention_implementation
 from .errors import BituneError
-from .files import check_input_file, read_text
+from .files import check_input_file, jsonl_records
 from .generation import encode, render
 from .inputs import check_prompt
 from .masks import pass_mask, position_ids
@@ -54,13 +53,7 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
     """
     path = check_input_file(path, "--log", expected="log.jsonl")  # a run folder: its log.jsonl is named
     by_step: dict[int, tuple[list[float], list[float]]] = {}
-    for n, line in enumerate(read_text(path, "--log").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+    for n, record in jsonl_records(path, "--log"):
         if not isinstance(record, dict) or ("a_k" not in record and "a_v" not in record):
             continue  # not a mixing record (the log also holds other lines)
         step, ratios = record.get("step"), [_ratios(record.get(key), f"{path}:{n}: {key}") for key in ("a_k", "a_v")]

@@ -17,7 +17,7 @@ from transformers import set_seed
 
 from ..config import TEMPLATES
 from ..errors import BituneError
-from ..files import check_input_file, check_output_file, check_text, read_text, write_text_atomic
+from ..files import check_input_file, check_output_file, check_text, jsonl_records, write_text_atomic
 from ..generation import generate_texts, pick_template
 from ..loading import load_bitune
 from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
@@ -52,13 +52,7 @@ def read_prompts(path: str | Path) -> tuple[list[dict], list[str]]:
     """Records of a JSONL prompt file and the prompt text of each (``prompt``, or ``instruction`` [+ ``input``])."""
     path = check_input_file(path, "--input")
     records, prompts = [], []
-    for n, line in enumerate(read_text(path, "--input").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BituneError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+    for n, record in jsonl_records(path, "--input"):
         if not isinstance(record, dict) or not ({"prompt", "instruction"} & set(record)):
             raise BituneError(f"{path}:{n}: needs a 'prompt' or an 'instruction' field")
         if "prompt" in record and "instruction" in record:
