@@ -243,6 +243,14 @@ def test_a_bad_command_line_is_one_line_with_help_advice(argv, prog, capsys):
 
 
 # ------------------------------------------------------------------ the inputs a careful user still gets wrong
+def run_folder(ckpt: Path, root: Path) -> Path:
+    """A run folder ``root`` whose ``final/`` holds the checkpoint's config and mixer (what the verbs read first)."""
+    (root / "final").mkdir(parents=True)
+    for name in ("bitune_config.json", "mixer.safetensors"):
+        (root / "final" / name).write_bytes((ckpt / name).read_bytes())
+    return root
+
+
 def _run(argv, capsys, verb=None) -> str:
     """Run ``bitune ARGV``, assert the failure is one error line with exit status 2, and return the line."""
     assert main(argv) == 2
@@ -384,10 +392,7 @@ def test_a_near_miss_name_suggests_the_right_one(argv, hint, saved, tmp_path, ca
     """A misspelt name, a run folder for its checkpoint or log, a checkpoint for a base model: the error says what
     was probably meant (before, several were accepted until the command failed later, or named nothing)."""
     ckpt, _ = saved
-    root = tmp_path / "run"
-    (root / "final").mkdir(parents=True)
-    for name in ("bitune_config.json", "mixer.safetensors"):
-        (root / "final" / name).write_bytes((ckpt / name).read_bytes())
+    root = run_folder(ckpt, tmp_path / "run")
     (root / "log.jsonl").write_text('{"step": 1, "a_k": [0.5, 0.5], "a_v": [0.5, 0.5]}\n')
     (root / "task.yaml").write_text("lr: 1e-3\n")
     (root / "runs" / "lora-42").mkdir(parents=True)
@@ -487,10 +492,7 @@ def test_a_bad_number_or_device_is_named_before_anything_runs(argv, named, saved
 def test_num_processes_damaged_run_settings_is_one_line_exit_2(saved, tmp_path):
     """The multi-process path: every launched process finds the damaged settings.yaml; one line, once, exit 2."""
     ckpt, _ = saved
-    run = tmp_path / "run"
-    (run / "final").mkdir(parents=True)
-    for name in ("bitune_config.json", "mixer.safetensors"):
-        (run / "final" / name).write_bytes((ckpt / name).read_bytes())
+    run = run_folder(ckpt, tmp_path / "run")
     (run / "settings.yaml").write_text("seed: [42\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bitune.cli", "eval", "--num-processes", "2", "--checkpoint", str(run / "final"),
