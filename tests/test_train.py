@@ -143,11 +143,16 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert (tmp_path / "run" / LOG_FILE).read_text() == before
 
 
-def test_corrupt_checkpoint_on_resume_fails_and_keeps_files(tmp_path):
+def interrupted_after_checkpoint_2(tmp_path) -> Path:
+    """A 4-step run saving every 2 steps, interrupted at step 3: its ``checkpoint-2`` folder."""
     first, settings = make_trainer(tmp_path, steps=4, save_every=2, callbacks=[Interrupt(at=3)])
     with pytest.raises(KeyboardInterrupt):
         run_training(first, settings)
-    mixer = tmp_path / "run" / "checkpoint-2" / "mixer.safetensors"
+    return tmp_path / "run" / "checkpoint-2"
+
+
+def test_corrupt_checkpoint_on_resume_fails_and_keeps_files(tmp_path):
+    mixer = interrupted_after_checkpoint_2(tmp_path) / "mixer.safetensors"
     mixer.write_bytes(b"not a safetensors file")
     log_before = (tmp_path / "run" / LOG_FILE).read_text()
     second, settings = make_trainer(tmp_path, steps=4, save_every=2)
@@ -158,10 +163,7 @@ def test_corrupt_checkpoint_on_resume_fails_and_keeps_files(tmp_path):
 
 
 def test_checkpoint_of_the_trainer_layout_is_refused_and_kept(tmp_path):
-    first, settings = make_trainer(tmp_path, steps=4, save_every=2, callbacks=[Interrupt(at=3)])
-    with pytest.raises(KeyboardInterrupt):
-        run_training(first, settings)
-    state = tmp_path / "run" / "checkpoint-2" / "trainer_state.json"
+    state = interrupted_after_checkpoint_2(tmp_path) / "trainer_state.json"
     state.write_text(json.dumps({"global_step": 2, "log_history": []}))  # as transformers' Trainer wrote it
     second, settings = make_trainer(tmp_path, steps=4, save_every=2)
     with pytest.raises(BituneError, match="older bitune.*lacks epoch, loss_sum"):
