@@ -28,7 +28,7 @@ def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
     print_table({"model": "m", "task": "arc_easy", "eval_examples": 100, "steps": 30, "batch_size": 4, "seed": 42,
                  "results": rows, "threads": 2, "total_s": 60})
     out = capsys.readouterr().out
-    assert "smoke test" in out and "results/" in out and "+10.0 [" in out and "40.0 [" in out
+    assert "smoke test" in out and "docs/results.md" in out and "+10.0 [" in out and "40.0 [" in out
 
 
 @pytest.mark.integration

@@ -39,7 +39,7 @@ from .options import HelpFormatter, add_threads_option
 HELP = "fine-tune LoRA and Bitune on a small real task offline and compare them (a smoke test)"
 TASK = "arc_easy"
 VARIANTS = ("pretrained", "lora", "bitune")
-STUDY = "results/smollm2-arc-csqa/README.md"
+STUDY = "docs/results.md"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -157,5 +157,5 @@ def print_table(result: dict) -> None:
                       f"{vs['mcnemar_p']:.3g}" if vs else "-",
                       f"{r['train_s']:.0f}s" if variant != "pretrained" else "-", f"{r['eval_s']:.0f}s")
     Console(width=max(100, Console().width)).print(table)
-    print(f"A smoke test (one seed, {result['steps']} steps), not a result: the evidence is the study in {STUDY}.")
+    print(f"A smoke test (one seed, {result['steps']} steps), not a result: the evidence is the studies in {STUDY}.")
     print(f"total wall time {result['total_s'] / 60:.1f} min on {result['threads']} threads")
