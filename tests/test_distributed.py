@@ -193,6 +193,7 @@ def test_a_launched_user_error_is_shown_once(tmp_path, capsys):
     line = "bitune train: error: model folder ./nope does not exist"
     for rank in (1, 2):
         _rank_log(tmp_path, rank, f"loading\n{line}\n")
+        (tmp_path / f"error-{rank}.txt").write_text(line + "\n")  # what bitune.cli.report_error leaves
     assert report_failure({0: -15, 1: 2, 2: 2}, tmp_path) == 2  # rank 0 stopped (SIGTERM) before it printed
     assert capsys.readouterr().err == line + "\n"
     (tmp_path / "error-0.txt").write_text(line + "\n")  # rank 0 printed it (then was stopped, or exited 2)

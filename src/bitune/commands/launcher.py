@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -76,15 +75,13 @@ def launch(num_processes: int, argv: list[str]) -> int:
                 os.environ.pop("OMP_NUM_THREADS", None)
 
 
-ERROR_LINE = re.compile(r"^bitune [\w-]+: error: ")
-
-
 def report_failure(exitcodes: dict[int, int], logs: Path) -> int:
     """Show what rank 0 did not show already, once; returns the job's exit status.
 
-    Rank 0 printed its own error line to the terminal (and left a copy as ``logs/error-0.txt``); the other ranks'
-    error lines are in their logs: each one rank 0 did not print is shown once (a user error is usually the same bad
-    setting in every rank). A rank that crashed without an error line shows the end of its output.
+    Every rank that failed through bitune's error boundary left its one error line as ``logs/error-<rank>.txt``
+    (:func:`bitune.cli.report_error`); rank 0 also printed it to the terminal. Each line rank 0 did not print is
+    shown once (a user error is usually the same bad setting in every rank). A rank that failed without an error
+    line (a crash below Python) shows the end of its output.
 
     Args:
         exitcodes: each failed rank's exit code (negative: killed by that signal, e.g. when another rank failed
@@ -94,27 +91,22 @@ def report_failure(exitcodes: dict[int, int], logs: Path) -> int:
     Returns:
         2 when every rank that failed on its own failed with a user error (status 2), else 1.
     """
-    def output(rank: int) -> list[str]:
-        return [line for f in sorted(logs.glob(f"*/attempt_*/{rank}/std*.log"))
-                for line in f.read_text(encoding="utf-8", errors="replace").splitlines()]
+    def read(files) -> list[str]:
+        return [line for f in sorted(files) for line in f.read_text(encoding="utf-8", errors="replace").splitlines()]
 
     own = {rank: code for rank, code in exitcodes.items() if code > 0}  # not stopped by the launcher
-    printed = logs / "error-0.txt"
-    shown = set(printed.read_text(encoding="utf-8").splitlines()) if printed.is_file() else set()
+    shown = set(read(logs.glob("error-0.txt")))
     for rank in sorted(own):
         if rank == 0:
             continue
-        lines = output(rank)
-        errors = [line for line in lines if ERROR_LINE.match(line)]
-        if errors:
-            for line in errors:
-                if line not in shown:
-                    print(line, file=sys.stderr)
-                    shown.add(line)
-        else:
-            print(f"bitune: process {rank} failed (exit status {own[rank]}); its last lines:",
-                  file=sys.stderr)
-            print("\n".join(lines[-TAIL:]), file=sys.stderr)
+        errors = read(logs.glob(f"error-{rank}.txt"))
+        for line in errors:
+            if line not in shown:
+                print(line, file=sys.stderr)
+                shown.add(line)
+        if not errors:
+            print(f"bitune: process {rank} failed (exit status {own[rank]}); its last lines:", file=sys.stderr)
+            print("\n".join(read(logs.glob(f"*/attempt_*/{rank}/std*.log"))[-TAIL:]), file=sys.stderr)
     return 2 if own and all(code == 2 for code in own.values()) else 1
 
 
