@@ -26,7 +26,7 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
 import test_reference  # noqa: E402
 import test_train  # noqa: E402
 from bitune.reference import reference_loss  # noqa: E402
-from conftest import batch  # noqa: E402
+from helpers.models import batch  # noqa: E402
 
 
 def main() -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitune import BituneConfig, BituneModel
 from bitune.adapters import Routing, routed, routed_lora_forward
-from conftest import VOCAB, perturb_adapters, tiny_model
+from helpers.models import VOCAB, perturb_adapters, tiny_bitune
 
 
 def _model(method="lora"):
-    return perturb_adapters(BituneModel.wrap(tiny_model("llama"), BituneConfig(method=method)), scale=0.3)
+    return perturb_adapters(tiny_bitune(method=method), scale=0.3)
 
 
 def _adapter_params(layer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bitune.attention import block_attention, mask_format, running
-from conftest import tiny_model
+from helpers.models import tiny_model
 
 SEEN = []
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitune import BituneConfig, BituneModel
-from conftest import PAD, batch, perturb_adapters, tiny_model
+from bitune import BituneConfig
+from helpers.models import PAD, batch, perturb_adapters, tiny_bitune, tiny_model
 
 TWO_PASS = ["bitune", "only_causal", "shared_weights", "anti_causal"]
 ONE_PASS = ["naive_bidir", "no_mixing"]
@@ -15,8 +15,7 @@ ONE_PASS = ["naive_bidir", "no_mixing"]
 def _pair(arch, variant, method="lora", mode="batched", attn="sdpa"):
     models = []
     for m in ("sequential", mode):
-        cfg = BituneConfig(variant=variant, method=method)
-        models.append(perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg, prompt_passes=m)))
+        models.append(perturb_adapters(tiny_bitune(arch, attn=attn, prompt_passes=m, variant=variant, method=method)))
     return models
 
 
@@ -51,7 +50,7 @@ def test_fused_forward_equals_sequential(arch, attn, variant):
 
 
 def test_fused_forward_restores_the_attention_implementation_after_an_error(monkeypatch):
-    model = BituneModel.wrap(tiny_model("llama"), BituneConfig())
+    model = tiny_bitune()
     loss = model(*batch()).loss
     with monkeypatch.context() as m:
         m.setattr(model.mixer, "forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -62,15 +61,15 @@ def test_fused_forward_restores_the_attention_implementation_after_an_error(monk
 
 
 def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
-    model = BituneModel.wrap(tiny_model("llama"), BituneConfig())  # LoRA, the default
+    model = tiny_bitune()  # LoRA, the default
     assert (model.forward_path(), model.prefill_path()) == ("fused", "batched")
     for method in ("ia3", "dora", "full"):
-        model = BituneModel.wrap(tiny_model("llama"), BituneConfig(method=method))
+        model = tiny_bitune(method=method)
         assert (model.forward_path(), model.prefill_path()) == ("sequential", "sequential"), method
-    shared = BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="shared_weights", method="ia3"))
+    shared = tiny_bitune(variant="shared_weights", method="ia3")
     assert shared.forward_path() == "fused"
-    assert BituneModel.wrap(tiny_model("llama"), BituneConfig(variant="lora")).forward_path() == "single"
-    model = BituneModel.wrap(tiny_model("llama"), BituneConfig(), prompt_passes="batched")
+    assert tiny_bitune(variant="lora").forward_path() == "single"
+    model = tiny_bitune(prompt_passes="batched")
     assert (model.forward_path(), model.prefill_path()) == ("batched", "batched")
     model.prompt_passes = "sequential"  # a runtime choice: it can change on a built model
     assert (model.forward_path(), model.prefill_path()) == ("sequential", "sequential")
@@ -80,7 +79,7 @@ def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
 
 
 def test_fused_forward_refuses_gradient_checkpointing():
-    model = BituneModel.wrap(tiny_model("llama"), BituneConfig()).train()
+    model = tiny_bitune().train()
     model.weights.base.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient checkpointing"):
         model(*batch())
@@ -122,7 +121,7 @@ def test_methods_that_cannot_route_rows_fall_back_to_sequential():
 def test_fused_equals_sequential_in_bfloat16(arch):
     losses = []
     for mode in ("sequential", "fused"):
-        model = BituneModel.wrap(tiny_model(arch, dtype=torch.bfloat16), BituneConfig(), prompt_passes=mode)
+        model = tiny_bitune(arch, dtype=torch.bfloat16, prompt_passes=mode)
         losses.append(perturb_adapters(model)(*batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))).loss.float())
     torch.testing.assert_close(losses[0], losses[1], atol=5e-3, rtol=0)
 
@@ -172,10 +171,9 @@ def test_auto_reads_large_prompt_batches_one_pass_at_a_time_with_the_same_number
     larger batches one pass at a time (faster there); an explicit ``batched`` stays batched; the numbers agree."""
     import bitune.model
     import bitune.passes
-    from conftest import perturb_adapters
 
     limit = bitune.model.BATCHED_PREFILL_MAX_POSITIONS
-    model = perturb_adapters(BituneModel.wrap(tiny_model("llama"), BituneConfig()))
+    model = perturb_adapters(tiny_bitune())
     assert [model.prefill_path(n) for n in (None, limit, limit + 1)] == ["batched", "batched", "sequential"]
     model.prompt_passes = "batched"
     assert model.prefill_path(limit + 1) == "batched"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bitune.cli import main
-from gen_helpers import save_checkpoint
+from helpers.gen import save_checkpoint
 
 
 def test_bench_train_reports_time_memory_and_flop_ratios(tmp_path):

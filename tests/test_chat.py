@@ -12,22 +12,22 @@ from bitune.cache import layer_kv
 from bitune.chat import Conversation
 from bitune.cli import main
 from bitune.generation import generate_texts
-from conftest import PAD
-from eval_helpers import tiny_tokenizer
-from gen_helpers import CHAT_TEMPLATE, save_checkpoint, tiny_bitune
+from helpers.gen import CHAT_TEMPLATE, perturbed_bitune, save_checkpoint
+from helpers.models import PAD
+from helpers.tokenizer import tiny_tokenizer
 
 TURNS = ["what is 2+2?", "and 3+3?", "why?"]
 
 
 def test_alternating_first_turn_equals_single_turn_generation():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     single = generate_texts(model, tok, [TURNS[0]], max_new_tokens=8, stop=["Question:"])[0]
     for mode in ("alternating", "recompute"):
         assert Conversation(model, tok, mode, max_new_tokens=8).say(TURNS[0]) == single
 
 
 def test_recompute_equals_single_turn_generation_on_the_concatenated_history():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     conv = Conversation(model, tok, "recompute", max_new_tokens=6)
     answers = [conv.say(t) for t in TURNS]
     history = "\n\n".join(f"Question: {u}\n\nAnswer: {a}" for u, a in zip(TURNS[:2], answers[:2]))
@@ -46,7 +46,7 @@ def _greedy_causal(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def test_alternating_with_zero_mixing_is_a_plain_causal_continuation_of_the_history():
-    model = tiny_bitune()
+    model = perturbed_bitune()
     with torch.no_grad():
         model.mixer.theta_k.zero_()  # a_k = a_v = 0: the mixed features are the causal ones
         model.mixer.theta_v.zero_()
@@ -59,7 +59,7 @@ def test_alternating_with_zero_mixing_is_a_plain_causal_continuation_of_the_hist
 
 
 def test_alternating_mixes_only_the_new_turn_and_leaves_the_history_cache_alone():
-    model = tiny_bitune()
+    model = perturbed_bitune()
     g = torch.Generator().manual_seed(1)
     p1, p2 = torch.randint(3, 64, (1, 6), generator=g), torch.randint(3, 64, (1, 4), generator=g)
     _, state = model.generate(p1, torch.ones_like(p1), max_new_tokens=4, eos_token_id=None, pad_token_id=PAD,
@@ -78,7 +78,7 @@ def test_alternating_mixes_only_the_new_turn_and_leaves_the_history_cache_alone(
 
 
 def test_alternating_cache_holds_exactly_the_rendered_chat():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     tok.chat_template = CHAT_TEMPLATE
     no_space = [0, 2, 3, *tok.convert_tokens_to_ids([" ", "\n"])]  # answers without edge whitespace or specials
     conv = Conversation(model, tok, "alternating", max_new_tokens=4, suppress_tokens=no_space, forced_eos_token_id=1)
@@ -92,7 +92,7 @@ def test_alternating_cache_holds_exactly_the_rendered_chat():
 
 def test_without_bidirectional_passes_alternating_equals_recompute():
     """The pretrained variant reads causally only, so keeping the cache must give what re-reading gives."""
-    tok, model = tiny_tokenizer(), tiny_bitune(variant="pretrained")
+    tok, model = tiny_tokenizer(), perturbed_bitune(variant="pretrained")
     tok.chat_template = CHAT_TEMPLATE
     no_space = [0, 2, 3, *tok.convert_tokens_to_ids([" ", "\n"])]
     conv = {m: Conversation(model, tok, m, max_new_tokens=4, suppress_tokens=no_space, forced_eos_token_id=1)

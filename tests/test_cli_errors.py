@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bitune.cli import main
-from gen_helpers import save_checkpoint
+from helpers.gen import save_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -15,40 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitune import BituneModel
-from bitune.config import METHODS, VARIANTS, BituneConfig
+from bitune.config import METHODS, VARIANTS
 from bitune.errors import BituneError
 from bitune.train.trainer import LOG_FILE, checkpoints, ddp_kwargs
-from conftest import batch, tiny_model
-from dist_helpers import HERE, torchrun, train_tiny
+from helpers.compare import assert_same_weights, trainable
+from helpers.dist import check, final_weights, torchrun, train_global_batch, train_tiny
+from helpers.models import batch, tiny_bitune, tiny_model
 
 TRAINABLE = [v for v in VARIANTS if v != "pretrained"]
-ACCELERATE_CONFIGS = HERE.parent / "configs" / "accelerate"
-
-
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    model = BituneModel.from_pretrained(run_dir / "final", base=tiny_model())
-    return {k: p.detach() for k, p in model.trainable_parameters().items()}
-
-
-def assert_same_weights(got: dict, expected: dict, atol: float = 1e-5) -> None:
-    assert got.keys() == expected.keys()
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=atol, msg=k)
-
-
-def check(job) -> None:
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
+def one_process_weights(tmp_path_factory) -> dict[str, torch.Tensor]:
     """Weights after 4 steps of 1 process with batch 4 x accumulation 2 (global batch 8)."""
     torch.set_num_threads(1)
-    trainer = train_tiny(str(tmp_path_factory.mktemp("one") / "run"), batch_size=4, grad_accum=2, steps=4)
-    return {k: p.detach().clone() for k, p in trainer.model.trainable_parameters().items()}
+    return trainable(train_global_batch(tmp_path_factory.mktemp("one") / "run").model)
 
 
 # ------------------------------------------------------------------------------------------- gradients
@@ -57,7 +39,7 @@ def one_process(tmp_path_factory) -> dict[str, torch.Tensor]:
 def test_every_trainable_parameter_gets_a_gradient(variant, method):
     """What DDP with find_unused_parameters=False needs: the parameters that require a gradient are exactly the
     model's trainable parameters, and the training loss reaches every one of them."""
-    model = BituneModel.wrap(tiny_model(), BituneConfig(variant=variant, method=method)).train()
+    model = tiny_bitune(variant=variant, method=method).train()
     out = model(*batch())
     out.example_loss.mean().backward()
     trainable = {id(p) for p in model.trainable_parameters().values()}
@@ -95,12 +77,12 @@ def test_loss_is_the_example_mean(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_process):
+def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_process_weights):
     """2 processes x batch 2 x accumulation 2 == 1 process x batch 4 x accumulation 2, to 1e-5, although the
     ranks hold different answer-token counts; logs, checkpoints and final/ are written once."""
     run = tmp_path / "run"
     check(torchrun(2, "train", "--out", str(run), "--batch-size", "2", "--steps", "4", "--save-every", "2"))
-    assert_same_weights(final_weights(run), one_process)
+    assert_same_weights(final_weights(run), one_process_weights, atol=1e-5)
     steps = [r["step"] for r in map(json.loads, (run / LOG_FILE).read_text().splitlines()) if "loss" in r]
     assert steps == [1, 2, 3, 4]
     assert [p.name for p in checkpoints(run)] == ["checkpoint-2", "checkpoint-4"]
@@ -111,7 +93,7 @@ def test_two_processes_match_one_process_with_the_global_batch(tmp_path, one_pro
 
 
 @pytest.mark.slow
-def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
+def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process_weights):
     run = tmp_path / "run"
     job = torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--interrupt-at", "3")
     assert job.returncode != 0
@@ -121,7 +103,7 @@ def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
         train_tiny(str(run), steps=4, save_every=2, resume=True)  # 1 process: another global batch
     assert (run / "settings.yaml").read_text() == settings_before
     check(torchrun(2, "train", "--out", str(run), "--steps", "4", "--save-every", "2", "--resume"))
-    assert_same_weights(final_weights(run), one_process)
+    assert_same_weights(final_weights(run), one_process_weights, atol=1e-5)
     steps = [r["step"] for r in map(json.loads, (run / LOG_FILE).read_text().splitlines()) if "loss" in r]
     assert steps == [1, 2, 3, 4]
 
@@ -131,7 +113,7 @@ def test_two_process_resume_matches_uninterrupted_run(tmp_path, one_process):
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_cli_num_processes_trains_data_parallel(tmp_path, fsdp):
     """``bitune train --num-processes 2 [--fsdp]`` on a local tiny model and a JSONL file, end to end."""
-    from eval_helpers import tiny_tokenizer
+    from helpers.tokenizer import tiny_tokenizer
 
     base = tmp_path / "base"
     tiny_model().save_pretrained(base)

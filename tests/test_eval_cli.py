@@ -10,13 +10,12 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from bitune import BituneConfig, BituneModel  # noqa: E402
 from bitune.cli import main  # noqa: E402
 from bitune.data import datasets as data  # noqa: E402
 from bitune.data.templates import Example, gsm8k_example  # noqa: E402
 from bitune.eval.tasks import extract_flexible, extract_strict, gsm8k_results  # noqa: E402
-from conftest import perturb_adapters, tiny_model  # noqa: E402
-from eval_helpers import tiny_tokenizer  # noqa: E402
+from helpers.models import perturb_adapters, tiny_bitune, tiny_model  # noqa: E402
+from helpers.tokenizer import tiny_tokenizer  # noqa: E402
 
 
 @pytest.mark.parametrize("text, strict, flexible", [
@@ -53,7 +52,7 @@ def checkpoint(tmp_path):
     base.config.max_position_embeddings = 512  # room for GSM8K's 256 new tokens
     base.save_pretrained(base_dir)
     tiny_tokenizer().save_pretrained(base_dir)
-    model = perturb_adapters(BituneModel.wrap(tiny_model("llama"), BituneConfig(base_model=str(base_dir))))
+    model = perturb_adapters(tiny_bitune(base_model=str(base_dir)))
     run = tmp_path / "run"
     model.save_pretrained(run / "final")
     (run / "settings.yaml").write_text("seed: 43\n")

@@ -9,11 +9,11 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
-from bitune import BituneConfig, BituneModel  # noqa: E402
+from bitune import BituneModel  # noqa: E402
 from bitune.errors import BituneError  # noqa: E402
 from bitune.eval.lm import BituneLM  # noqa: E402
-from conftest import perturb_adapters, tiny_model  # noqa: E402
-from eval_helpers import tiny_tokenizer  # noqa: E402
+from helpers.models import perturb_adapters, tiny_bitune  # noqa: E402
+from helpers.tokenizer import tiny_tokenizer  # noqa: E402
 
 # Several choices per context, an empty context, a 1-character context, trailing spaces, mixed lengths.
 PAIRS = [
@@ -30,7 +30,7 @@ def requests(pairs):
 
 
 def bitune_model(variant: str, seed: int = 0) -> BituneModel:
-    model = BituneModel.wrap(tiny_model("llama", seed=seed), BituneConfig(variant=variant))
+    model = tiny_bitune(seed=seed, variant=variant)
     return (perturb_adapters(model) if variant != "pretrained" else model).eval()
 
 

@@ -13,8 +13,8 @@ from bitune.data.collate import tokenize_example
 from bitune.data.templates import instruction_example
 from bitune.errors import BituneError
 from bitune.generation import encode, generate_texts, max_new_tokens_for, render
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint, tiny_bitune
+from helpers.gen import perturbed_bitune, save_checkpoint
+from helpers.tokenizer import tiny_tokenizer
 
 PROMPTS = ["what is 2+2?", "name a color.", "hi"]
 
@@ -34,7 +34,7 @@ def test_paper_template_reads_the_prompt_exactly_as_training_tokenized_it():
 
 
 def test_single_answer_is_the_model_greedy_continuation():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     answer = generate_texts(model, tok, [PROMPTS[0]], max_new_tokens=8)[0]
     ids, mask = encode(tok, [render(tok, PROMPTS[0])[0]], True)
     new = model.generate(ids, mask, max_new_tokens=8, pad_token_id=0)
@@ -85,7 +85,7 @@ def test_base_model_generation_equals_transformers_generate(saved, capsys):
 
 
 def test_sampling_is_reproducible_with_a_seed_and_differs_from_greedy():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     runs = []
     for _ in range(2):
         torch.manual_seed(3)
@@ -129,7 +129,7 @@ def _short_context(model, positions: int = 16):
 
 
 def test_max_new_tokens_is_capped_at_the_models_positions():
-    model = _short_context(tiny_bitune())
+    model = _short_context(perturbed_bitune())
     assert max_new_tokens_for(model, 5, 100) == 11 and max_new_tokens_for(model, 5, 3) == 3
     with pytest.raises(BituneError, match="the prompt has 16 tokens, the model reads at most 16 positions"):
         max_new_tokens_for(model, 16, 1)
@@ -143,7 +143,7 @@ def test_max_new_tokens_is_capped_at_the_models_positions():
 
 
 def test_a_conversation_is_capped_at_the_models_positions():
-    model = _short_context(tiny_bitune(), 20)
+    model = _short_context(perturbed_bitune(), 20)
     p1, p2 = torch.full((1, 5), 7), torch.full((1, 4), 9)
     opts = dict(max_new_tokens=1000, eos_token_id=None, pad_token_id=0, return_state=True)
     new1, state = model.generate(p1, torch.ones_like(p1), **dict(opts, max_new_tokens=3))

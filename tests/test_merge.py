@@ -9,7 +9,7 @@ import torch
 from bitune import BituneConfig, BituneModel
 from bitune.errors import BituneError
 from bitune.scoring import score_continuations
-from conftest import EOS, batch, perturb_adapters, tiny_model
+from helpers.models import EOS, batch, perturb_adapters, tiny_bitune, tiny_model
 
 VARIANTS = ["bitune", "lora", "shared_weights", "only_causal", "naive_bidir", "no_mixing", "anti_causal", "pretrained"]
 
@@ -19,7 +19,7 @@ def pair(variant: str = "bitune", method: str = "lora", arch: str = "llama", pro
     models = []
     for merge in (False, True):
         config = BituneConfig(variant=variant, method=method, rank=4, lora_alpha=8.0)
-        model = BituneModel.wrap(tiny_model(arch), config, prompt_passes=prompt_passes)
+        model = tiny_bitune(arch, config, prompt_passes=prompt_passes)
         if variant != "pretrained":
             perturb_adapters(model, scale=0.1)
         models.append(model.merge().eval() if merge else model.eval())
@@ -144,7 +144,8 @@ def test_training_after_inference_matches_training_alone(tmp_path, inference):
     """A wrapped model is never merged in place: generating with it before training changes nothing, bit for
     bit. A model merged and unmerged again trains to the same weights within float rounding."""
     from bitune.train.trainer import run_training
-    from test_train import make_trainer, weights
+    from helpers.compare import trainable
+    from test_train import make_trainer
 
     results = []
     for before in (None, inference):
@@ -158,7 +159,7 @@ def test_training_after_inference_matches_training_alone(tmp_path, inference):
                 model.generate(*prompts()[:2], max_new_tokens=4, eos_token_id=None, pad_token_id=0)
                 model.unmerge()
         run_training(trainer, settings)
-        results.append(weights(trainer))
+        results.append(trainable(trainer.model))
     for k, v in results[0].items():
         if inference == "generate":
             assert torch.equal(results[1][k], v), k
@@ -197,7 +198,7 @@ def test_bitune_export_command(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from bitune.cli import main
-    from gen_helpers import save_checkpoint
+    from helpers.gen import save_checkpoint
 
     ckpt, _ = save_checkpoint(tmp_path)
     assert main(["export", "--checkpoint", str(ckpt), "--merged", str(tmp_path / "out")]) == 0

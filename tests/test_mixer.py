@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitune import BituneConfig, BituneModel
 from bitune.mixer import Mixer
 from bitune.reference import _ratio
-from conftest import tiny_model
+from helpers.models import tiny_bitune
 
 # theta_init = 0.01: a = |theta| / (0.01 + |theta|)
 THETAS = [0.01, 0.03, -0.01, 0.0]
@@ -41,5 +40,5 @@ def test_mixing_by_hand_per_layer_and_in_float32():
 
 
 def test_a_wrapped_model_mixes_with_theta_init_from_its_config():
-    model = BituneModel.wrap(tiny_model(), BituneConfig(theta_init=0.02))
+    model = tiny_bitune(theta_init=0.02)
     assert model.mixer.theta_init == 0.02 and model.mixing_ratios()["v"].tolist() == [0.5, 0.5]

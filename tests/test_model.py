@@ -11,7 +11,7 @@ from peft import PeftModel
 
 from bitune import BituneConfig, BituneModel
 from bitune.cache import layer_kv
-from conftest import PAD, batch, perturb_adapters, row, tiny_model
+from helpers.models import PAD, batch, perturb_adapters, row, tiny_bitune, tiny_model
 
 ARCHS = ["llama", "gemma3", "qwen2", "mistral", "phi"]
 TWO_PASS = ["bitune", "naive_bidir", "no_mixing", "only_causal", "shared_weights", "anti_causal"]
@@ -19,7 +19,7 @@ ALL_VARIANTS = TWO_PASS + ["lora", "pretrained"]
 
 
 def wrap(arch="llama", variant="bitune", method="lora", perturb=True, **kw):
-    model = BituneModel.wrap(tiny_model(arch), BituneConfig(variant=variant, method=method, **kw))
+    model = tiny_bitune(arch, variant=variant, method=method, **kw)
     return perturb_adapters(model) if perturb and variant != "pretrained" else model
 
 
@@ -237,13 +237,13 @@ def test_saving_over_a_checkpoint_is_atomic(tmp_path, monkeypatch):
 
 
 def test_mixing_ratio_starts_at_one_half():
-    model = BituneModel.wrap(tiny_model("llama"), BituneConfig(theta_init=0.001))
+    model = tiny_bitune(theta_init=0.001)
     ratios = model.mixing_ratios()
     assert torch.allclose(ratios["k"], torch.full((2,), 0.5)) and torch.allclose(ratios["v"], torch.full((2,), 0.5))
 
 
 def test_mixing_runs_in_float32_for_bfloat16_models():
-    model = BituneModel.wrap(tiny_model("llama", dtype=torch.bfloat16), BituneConfig())
+    model = tiny_bitune(dtype=torch.bfloat16)
     assert model.mixer.theta_k.dtype == torch.float32
     k_c, k_b = torch.randn(2, 2, 5, 8).bfloat16(), torch.randn(2, 2, 5, 8).bfloat16()
     with torch.no_grad():
@@ -346,8 +346,8 @@ def test_a_checkpoint_whose_config_and_weights_disagree_or_hold_nan_is_rejected(
 def _wider_llama():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from conftest import _COMMON
-    cfg = LlamaConfig(**{**_COMMON, "hidden_size": 48, "num_key_value_heads": 2})
+    from helpers.models import COMMON
+    cfg = LlamaConfig(**{**COMMON, "hidden_size": 48, "num_key_value_heads": 2})
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -356,6 +356,6 @@ def _wider_llama():
 def test_eager_and_sdpa_attention_give_the_same_losses(arch, variant):
     losses = []
     for attn in ("sdpa", "eager"):
-        model = BituneModel.wrap(tiny_model(arch, attn=attn), BituneConfig(variant=variant))
+        model = tiny_bitune(arch, attn=attn, variant=variant)
         losses.append(perturb_adapters(model)(*batch()).example_loss)
     torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=0)

@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from huggingface_hub import ModelCard
 
@@ -26,10 +25,11 @@ from bitune.stats import bootstrap_mean
 from bitune.train.checkpoints import save_checkpoint as save_training_checkpoint
 from bitune.train.checkpoints import verify_checkpoint
 from bitune.train.trainer import checkpoints, run_training
-from conftest import perturb_adapters, tiny_model
-from gen_helpers import save_checkpoint
+from helpers.compare import assert_same_weights, trainable
+from helpers.gen import save_checkpoint
+from helpers.models import perturb_adapters, tiny_bitune, tiny_model
+from helpers.sft import sft_trainer
 from test_train import make_trainer
-from trl_helpers import sft_trainer, trainable
 
 USER_README = b"# My model\r\n\nMine, not bitune's: \xff kept byte for byte.\n"
 """A user's own README (CRLF and a byte that is not UTF-8: a rewrite would not reproduce it)."""
@@ -49,10 +49,7 @@ def block(text: str, language: str) -> str:
 
 
 def same_weights(a: BituneModel, b: BituneModel) -> None:
-    left, right = trainable(a), trainable(b)
-    assert left.keys() == right.keys()
-    for k in left:
-        torch.testing.assert_close(left[k], right[k], rtol=0, atol=0)
+    assert_same_weights(trainable(a), trainable(b), atol=0)
 
 
 # ------------------------------------------------------------------------------------------ save_pretrained
@@ -110,7 +107,7 @@ def test_a_user_readme_is_kept_byte_for_byte_and_ours_is_rewritten(tmp_path):
     (ckpt / "README.md").unlink()
     model.save_pretrained(ckpt)
     assert "# bitune (lora r8)" in card_of(ckpt)[1]
-    lora = BituneModel.wrap(tiny_model(), BituneConfig(variant="lora", rank=4, base_model=str(tmp_path / "base")))
+    lora = tiny_bitune(variant="lora", rank=4, base_model=str(tmp_path / "base"))
     lora.save_pretrained(ckpt)
     assert "# lora (lora r4)" in card_of(ckpt)[1] and not (ckpt / "bidir").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "edited.md"]  # no temporary files
@@ -191,7 +188,7 @@ def test_a_user_readme_in_a_checkpoint_folder_is_kept(tmp_path):
                              trainer.accelerator, None, training=trainer.training_record())  # through the staging
     for name in ("checkpoint-2", "final"):
         assert (run_dir / name / "README.md").read_bytes() == USER_README
-    verify_checkpoint(run_dir / "checkpoint-2", BituneModel.wrap(tiny_model(), trainer.model.config))
+    verify_checkpoint(run_dir / "checkpoint-2", tiny_bitune(config=trainer.model.config))
 
 
 # ------------------------------------------------------------------------------------------ TRL
@@ -199,7 +196,7 @@ def test_trl_saves_write_bitune_cards_and_keep_a_user_readme(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "README.md").write_bytes(USER_README)
-    model = perturb_adapters(BituneModel.wrap(tiny_model(), BituneConfig(base_model="tiny-base")))
+    model = perturb_adapters(tiny_bitune(base_model="tiny-base"))
     trainer = sft_trainer(str(out), model=model, max_steps=2, save_strategy="steps", save_steps=2)
     trainer.train()  # TRL writes a card into output_dir before each checkpoint: ours, and not over the user's
     trainer.save_model()

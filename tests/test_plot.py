@@ -21,9 +21,9 @@ from bitune.plot import (
 )
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, run_training
-from conftest import CONFIGS, EOS, VOCAB
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint, tiny_bitune
+from helpers.gen import perturbed_bitune, save_checkpoint
+from helpers.models import CONFIGS, EOS, VOCAB
+from helpers.tokenizer import tiny_tokenizer
 
 LAYERS = 3
 
@@ -139,7 +139,7 @@ def test_a_malformed_mixing_line_is_a_one_line_error_naming_it(tmp_path, capsys,
 
 
 def test_attention_figure_shows_causal_and_bidirectional_maps_with_token_labels():
-    tok, model = tiny_tokenizer(), tiny_bitune()
+    tok, model = tiny_tokenizer(), perturbed_bitune()
     ids, mask = encode(tok, [render(tok, "why is the sky blue?")[0]], True)
     maps = attention_maps(model.weights, model.config.passes, model.text_config, ids, mask)
     maps = {k: m[0] for k, m in maps.items()}  # (T, T) each

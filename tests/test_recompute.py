@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitune import BituneModel
-from bitune.config import BituneConfig
 from bitune.errors import BituneError
-from conftest import batch, perturb_adapters, tiny_model
+from helpers.compare import assert_same_weights
+from helpers.models import batch, perturb_adapters, tiny_bitune
 
 CASES = [("llama", "bitune", "lora", "fused"), ("llama", "bitune", "lora", "batched"),
          ("llama", "bitune", "lora", "sequential"), ("gemma3", "bitune", "lora", "fused"),
@@ -33,8 +32,7 @@ def count_layer_calls(model) -> list[int]:
 
 def loss_and_grads(arch, variant, method, passes, checkpointing):
     """Loss, gradients, numbers saved for the backward, and the layer runs in the forward and in the backward."""
-    model = perturb_adapters(BituneModel.wrap(tiny_model(arch), BituneConfig(variant=variant, method=method),
-                                              prompt_passes=passes)).train()
+    model = perturb_adapters(tiny_bitune(arch, variant=variant, method=method, prompt_passes=passes)).train()
     if checkpointing:
         model.enable_checkpointing()
     calls = count_layer_calls(model)
@@ -55,9 +53,8 @@ def test_checkpointing_keeps_loss_and_gradients(arch, variant, method, passes):
     loss_ckpt, grads_ckpt, saved_ckpt, (forward_ckpt, backward_ckpt) = loss_and_grads(arch, variant, method, passes,
                                                                                       checkpointing=True)
     torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=1e-6)
-    assert grads_ckpt.keys() == grads.keys() and grads
-    for k in grads:
-        torch.testing.assert_close(grads_ckpt[k], grads[k], rtol=0, atol=1e-5, msg=k)
+    assert grads
+    assert_same_weights(grads_ckpt, grads, atol=1e-5)
     assert forward_ckpt == forward > 0 and backward == 0  # the same layer runs in the forward, none in the backward
     assert backward_ckpt == forward  # ... but with checkpointing every layer run is recomputed, once, in the backward
     assert saved_ckpt < saved  # the layers' activations are recomputed, not kept
@@ -73,7 +70,7 @@ def test_without_autograd_the_layers_run_as_without_checkpointing(monkeypatch):
     entered = []
     real = bitune.recompute.checkpoint
     monkeypatch.setattr(bitune.recompute, "checkpoint", lambda *a, **k: entered.append(1) or real(*a, **k))
-    model = BituneModel.wrap(tiny_model(), BituneConfig()).eval()
+    model = tiny_bitune().eval()
     calls = count_layer_calls(model)
     prompt_ids, prompt_mask, _, _ = batch()
     expected = model.generate(prompt_ids, prompt_mask, max_new_tokens=4)
@@ -89,14 +86,14 @@ def test_without_autograd_the_layers_run_as_without_checkpointing(monkeypatch):
 
 def test_transformers_checkpointing_is_still_refused():
     """transformers' own checkpointing drops the prompt cache: refused, naming the setting that keeps it."""
-    model = BituneModel.wrap(tiny_model(), BituneConfig()).train()
+    model = tiny_bitune().train()
     model.weights.base.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient_checkpointing: true"):
         model(*batch())
 
 
 def test_model_without_decoder_layers_is_refused():
-    model = BituneModel.wrap(tiny_model(), BituneConfig())
+    model = tiny_bitune()
     model.weights.base._no_split_modules = None  # the model names no decoder layer class
     with pytest.raises(BituneError, match="no list of 2 decoder layers"):
         model.enable_checkpointing()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bitune import VARIANTS, BituneConfig, BituneModel
+from bitune import VARIANTS
 from bitune.reference import reference_loss
-from conftest import batch, perturb_adapters, tiny_model
+from helpers.models import batch, perturb_adapters, tiny_bitune
 
 ARCHS = [("llama", "sdpa"), ("gemma3", "sdpa"), ("gemma3", "eager"), ("qwen2", "eager")]
 PATHS = ("fused", "batched", "sequential")
@@ -17,8 +17,8 @@ TENSORS = dict(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window 
 
 
 def _model(arch, attn, variant, method="lora", path="fused", scale=0.05):
-    cfg = BituneConfig(variant=variant, method=method)
-    return perturb_adapters(BituneModel.wrap(tiny_model(arch, attn=attn), cfg, prompt_passes=path), scale=scale)
+    model = tiny_bitune(arch, attn=attn, prompt_passes=path, variant=variant, method=method)
+    return perturb_adapters(model, scale=scale)
 
 
 def _loss_and_grads(model, loss_fn, tensors):

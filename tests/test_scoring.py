@@ -10,7 +10,7 @@ from bitune import BituneConfig, BituneModel
 from bitune.model import token_logprobs
 from bitune.passes import Prefill
 from bitune.scoring import pack, score_continuations
-from conftest import _COMMON, VOCAB, perturb_adapters, tiny_model
+from helpers.models import COMMON, VOCAB, perturb_adapters, tiny_model
 
 
 def scored(model, prefill, continuations):
@@ -21,7 +21,7 @@ def scored(model, prefill, continuations):
 def model_for(arch: str, attn: str, variant: str) -> BituneModel:
     if arch == "mistral_window4":  # one layer type, every layer sliding, window shorter than the prompts
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(MistralConfig(num_key_value_heads=2, sliding_window=4, **_COMMON),
+        base = AutoModelForCausalLM.from_config(MistralConfig(num_key_value_heads=2, sliding_window=4, **COMMON),
                                                 attn_implementation=attn).eval()
     else:
         base = tiny_model(arch, attn=attn)

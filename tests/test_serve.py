@@ -8,8 +8,8 @@ import concurrent.futures as futures
 import pytest
 
 from bitune.generation import generate_texts, render, render_messages
-from gen_helpers import save_checkpoint
-from serve_helpers import WAIT, greedy_tokens, http, serving, wait_until
+from helpers.gen import save_checkpoint
+from helpers.serve import WAIT, greedy_tokens, http, serving, wait_until
 
 openai = pytest.importorskip("openai")
 PROMPTS = ["what is 2+2?", "name a color.", "hi", "add 3 and 4, then say why.", "list two animals",

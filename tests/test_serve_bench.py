@@ -9,8 +9,8 @@ import pytest
 
 from bitune.bench.serve import checkpoints, ours, prompts, run_servers, summarize
 from bitune.errors import BituneError
-from eval_helpers import tiny_tokenizer
-from gen_helpers import save_checkpoint
+from helpers.gen import save_checkpoint
+from helpers.tokenizer import tiny_tokenizer
 
 
 def test_prompts_have_exactly_the_asked_length_and_differ():

@@ -15,8 +15,8 @@ import pytest
 
 from bitune.cli import main
 from bitune.commands.serve import api_key, exposure_warning
-from gen_helpers import save_checkpoint
-from serve_helpers import WAIT, free_port, held_steps, http, serving, submitted_jobs, wait_until
+from helpers.gen import save_checkpoint
+from helpers.serve import WAIT, free_port, held_steps, http, serving, submitted_jobs, wait_until
 
 openai = pytest.importorskip("openai")
 USER = [{"role": "user", "content": "hi"}]

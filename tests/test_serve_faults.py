@@ -158,8 +158,8 @@ def test_a_dead_scheduler_answers_503_at_once_over_http(tmp_path):
     import urllib.request
 
     openai = pytest.importorskip("openai")
-    from gen_helpers import save_checkpoint
-    from serve_helpers import serving
+    from helpers.gen import save_checkpoint
+    from helpers.serve import serving
 
     ckpt = save_checkpoint(tmp_path, chat_template=True)[0]
     with serving(ckpt) as (url, scheduler, _):
@@ -188,8 +188,8 @@ def test_a_client_that_closes_a_non_streaming_request_frees_its_row(tmp_path):
     import http.client
     import json
 
-    from gen_helpers import save_checkpoint
-    from serve_helpers import held_steps, serving, submitted_jobs, wait_until
+    from helpers.gen import save_checkpoint
+    from helpers.serve import held_steps, serving, submitted_jobs, wait_until
 
     ckpt = save_checkpoint(tmp_path, chat_template=True)[0]
     with serving(ckpt) as (url, scheduler, _), held_steps(scheduler) as (entered, release):

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from bitune import BituneConfig, BituneModel
+from bitune import BituneModel
 from bitune.serve.scheduler import Event, Job, QueueFull, Scheduler
-from conftest import EOS, perturb_adapters, tiny_model
-from serve_helpers import greedy_tokens
+from helpers.models import EOS, perturb_adapters, tiny_bitune
+from helpers.serve import greedy_tokens
 
 PROMPTS = [[2, 5, 9, 11, 7], [2, 30, 31], [2, 8, 8, 8, 8, 9, 40, 41, 42], [2, 50, 13, 17], [2, 60, 6]]
 WAIT = 60  # seconds a job may take here at most (a hang fails the test instead of blocking the suite)
@@ -28,7 +28,7 @@ class _Tok:
 
 
 def _model(arch: str, variant: str = "bitune") -> BituneModel:
-    model = BituneModel.wrap(tiny_model(arch), BituneConfig(variant=variant))
+    model = tiny_bitune(arch, variant=variant)
     return (perturb_adapters(model, scale=0.3) if variant != "pretrained" else model).eval()
 
 

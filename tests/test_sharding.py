@@ -12,23 +12,21 @@ import pytest
 import torch
 
 from bitune import BituneModel
-from bitune.config import BituneConfig
 from bitune.errors import BituneError
 from bitune.train.run_folder import LOG_FILE, checkpoints
 from bitune.train.sharding import fsdp_options, shard
-from conftest import tiny_model
-from dist_helpers import torchrun, train_tiny
-from test_distributed import assert_same_weights, check, final_weights
+from helpers.compare import assert_same_weights, trainable
+from helpers.dist import check, final_weights, torchrun, train_global_batch, train_tiny
+from helpers.models import tiny_bitune, tiny_model
 
 LIMIT = 0.01
 CLIP = ("--max-grad-norm", str(LIMIT))  # below the gradient norms of these runs: clipping acts at every step
 
 
-def one_process(root: Path, **kwargs) -> tuple[dict[str, torch.Tensor], list[float]]:
+def one_process_run(root: Path, **kwargs) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Weights and logged grad norms after 4 steps of 1 process with batch 4 x accumulation 2 (global batch 8)."""
-    trainer = train_tiny(str(root / "run"), batch_size=4, grad_accum=2, steps=4, **kwargs)
-    return ({k: p.detach().clone() for k, p in trainer.model.trainable_parameters().items()},
-            grad_norms(root / "run"))
+    trainer = train_global_batch(root / "run", **kwargs)
+    return trainable(trainer.model), grad_norms(root / "run")
 
 
 def grad_norms(run: Path) -> list[float]:
@@ -47,8 +45,8 @@ def sharded_lora(tmp_path_factory) -> Path:
 def test_fsdp_lora_matches_one_process(sharded_lora, tmp_path):
     """The weights and the (global, pre-clip) gradient norms of each step equal 1 process's: the norm is taken
     over the sharded gradients of both processes, not over one shard. Checkpoints are the standard format."""
-    weights, norms = one_process(tmp_path, max_grad_norm=LIMIT)
-    assert_same_weights(final_weights(sharded_lora), weights)
+    weights, norms = one_process_run(tmp_path, max_grad_norm=LIMIT)
+    assert_same_weights(final_weights(sharded_lora), weights, atol=1e-5)
     assert grad_norms(sharded_lora) == pytest.approx(norms, rel=1e-5)
     assert min(norms) > LIMIT  # clipping was active at every step
     assert [p.name for p in checkpoints(sharded_lora)] == ["checkpoint-2", "checkpoint-4"]
@@ -62,8 +60,8 @@ def test_fsdp_full_with_checkpointing_and_adapter_clipping_matches_one_process(t
     run = tmp_path / "run"
     check(torchrun(2, "train", "--out", str(run), "--fsdp", "--method", "full", "--checkpointing",
                    "--clip", "adapters", "--steps", "4", *CLIP))
-    weights, norms = one_process(tmp_path / "one", method="full", clip="adapters", max_grad_norm=LIMIT)
-    assert_same_weights(final_weights(run), weights)
+    weights, norms = one_process_run(tmp_path / "one", method="full", clip="adapters", max_grad_norm=LIMIT)
+    assert_same_weights(final_weights(run), weights, atol=1e-5)
     assert grad_norms(run) == pytest.approx(norms, rel=1e-5)
 
 
@@ -73,16 +71,16 @@ def test_fsdp_unroutable_peft_methods_match_one_process(tmp_path, method):
     """DoRA and IA3 switch PEFT's active adapter for the bidir pass (the sequential path) inside sharded layers."""
     run = tmp_path / "run"
     check(torchrun(2, "train", "--out", str(run), "--fsdp", "--method", method, "--steps", "4", *CLIP))
-    weights, _ = one_process(tmp_path / "one", method=method, max_grad_norm=LIMIT)
-    assert_same_weights(final_weights(run), weights)
+    weights, _ = one_process_run(tmp_path / "one", method=method, max_grad_norm=LIMIT)
+    assert_same_weights(final_weights(run), weights, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_ddp_with_checkpointing_matches_one_process(tmp_path):
     run = tmp_path / "run"
     check(torchrun(2, "train", "--out", str(run), "--checkpointing", "--steps", "4"))
-    weights, _ = one_process(tmp_path / "one")
-    assert_same_weights(final_weights(run), weights)
+    weights, _ = one_process_run(tmp_path / "one")
+    assert_same_weights(final_weights(run), weights, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -98,7 +96,7 @@ def test_fsdp_resume_is_exact(sharded_lora, tmp_path):
 
 
 def test_a_model_without_decoder_layers_cannot_shard():
-    model = BituneModel.wrap(tiny_model(), BituneConfig())
+    model = tiny_bitune()
     model.weights.base._no_split_modules = None  # a model class that names no decoder layer class
     with pytest.raises(BituneError, match="fsdp: cannot shard this model: .*no list of 2 decoder layers"):
         shard(model, bf16=False)

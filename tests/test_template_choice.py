@@ -10,14 +10,13 @@ import stat
 
 import pytest
 
-from bitune import BituneConfig, BituneModel
 from bitune.checkpoint import CONFIG_FILE
 from bitune.cli import main
 from bitune.generation import generate_texts, pick_template
 from bitune.loading import load_bitune
-from conftest import tiny_model
-from eval_helpers import tiny_tokenizer
-from gen_helpers import CHAT_TEMPLATE, tiny_bitune
+from helpers.gen import CHAT_TEMPLATE, perturbed_bitune
+from helpers.models import tiny_bitune, tiny_model
+from helpers.tokenizer import tiny_tokenizer
 
 CHAT_ROWS = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
                            {"role": "assistant", "content": f"it is {2 * i}."}]} for i in range(4)]
@@ -69,7 +68,7 @@ def test_training_records_the_data_template_and_generate_reuses_it(base_dir, tmp
 
 
 def test_old_checkpoint_without_template_reads_as_paper(base_dir, tmp_path, capsys):
-    model = tiny_bitune(str(base_dir))
+    model = perturbed_bitune(str(base_dir))
     model.save_pretrained(tmp_path / "old")
     config = json.loads((tmp_path / "old" / CONFIG_FILE).read_text())
     del config["template"]  # as written before templates were recorded
@@ -140,7 +139,7 @@ def test_eval_scores_a_chat_checkpoint_through_its_chat_template(base_dir, tmp_p
 
 
 def test_checkpoints_follow_the_umask(tmp_path):
-    model = BituneModel.wrap(tiny_model(), BituneConfig())
+    model = tiny_bitune()
     before = os.umask(0o022)
     try:
         model.save_pretrained(tmp_path / "ckpt")

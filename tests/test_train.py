@@ -16,19 +16,10 @@ from bitune.data.collate import Collator
 from bitune.errors import BituneError
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import LOG_FILE, build_trainer, checkpoints, run_training
-from conftest import EOS, VOCAB, tiny_model
-from dist_helpers import Interrupt
-
-
-def samples(n: int = 8, seed: int = 0) -> list[dict]:
-    """Token-id samples of mixed prompt/answer lengths, as ``tokenize_dataset`` returns them."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p, a = 3 + i % 4, 2 + i % 3
-        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
-                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
-    return out
+from helpers.compare import assert_same_weights, trainable
+from helpers.data import samples
+from helpers.dist import Interrupt
+from helpers.models import tiny_bitune, tiny_model
 
 
 def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), **overrides):
@@ -38,7 +29,7 @@ def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), *
     opts.update(overrides)
     settings = TrainSettings.from_dict(opts)
     transformers.set_seed(settings.seed)
-    model = BituneModel.wrap(tiny_model(), settings.bitune, prompt_passes=settings.prompt_passes)
+    model = tiny_bitune(config=settings.bitune, prompt_passes=settings.prompt_passes)
     trainer = build_trainer(model, settings, data if data is not None else samples(), None, Collator(0),
                             tensorboard=False)
     for cb in callbacks:
@@ -48,10 +39,6 @@ def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), *
 
 def read_log(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / LOG_FILE).read_text().splitlines()]
-
-
-def weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: p.detach().clone() for k, p in trainer.model.trainable_parameters().items()}
 
 
 @pytest.mark.parametrize("variant", ["bitune", "lora"])
@@ -99,7 +86,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     opts = dict(steps=6, save_every=2, save_total_limit=None)
     full, settings = make_trainer(tmp_path / "a", **opts)
     run_training(full, settings)
-    expected = weights(full)
+    expected = trainable(full.model)
 
     first, settings = make_trainer(tmp_path / "b", callbacks=[Interrupt(at=5)], **opts)
     with pytest.raises(KeyboardInterrupt):
@@ -110,13 +97,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
 
     second, settings = make_trainer(tmp_path / "b", **opts)  # a fresh process: fresh model, same settings
     run_training(second, settings, resume=True)
-    got = weights(second)
-    assert got.keys() == expected.keys()
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=1e-6, msg=k)
+    assert_same_weights(trainable(second.model), expected, atol=1e-6)
     reloaded = BituneModel.from_pretrained(run_dir / "final", base=tiny_model())
-    for k, p in reloaded.trainable_parameters().items():
-        torch.testing.assert_close(p, expected[k], rtol=0, atol=0)
+    assert_same_weights(trainable(reloaded), expected, atol=0)
     log_steps = [r["step"] for r in read_log(run_dir) if "loss" in r]
     assert log_steps == [1, 2, 3, 4, 5, 6]  # lines after the checkpoint were replaced, not duplicated
 
@@ -234,7 +217,7 @@ def golden_sums(tmp_path: Path, batch_size: int, grad_accum: int, steps: int, ca
     for cb in callbacks:
         trainer.add_callback(cb(trainer) if isinstance(cb, type) else cb)
     run_training(trainer, settings)
-    flat = torch.cat([v.flatten().double() for _, v in sorted(weights(trainer).items())])  # (13060,)
+    flat = torch.cat([v.flatten().double() for _, v in sorted(trainable(trainer.model).items())])  # (13060,)
     return float(flat.sum()), float(flat.abs().sum()), float((flat ** 2).sum())
 
 

@@ -13,9 +13,10 @@ import torch
 from bitune.data.sampling import LengthGroupedSampler, grouped_order, padding_share
 from bitune.errors import BituneError
 from bitune.train.trainer import checkpoints, run_training
-from conftest import EOS, VOCAB
-from dist_helpers import Interrupt
-from test_train import make_trainer, read_log, samples, weights
+from helpers.compare import assert_same_weights, trainable
+from helpers.data import samples, varied_lengths
+from helpers.dist import Interrupt
+from test_train import make_trainer, read_log
 
 
 def skewed_lengths(n: int = 400, seed: int = 0) -> list[tuple[int, int]]:
@@ -64,18 +65,8 @@ def test_padding_share_counts_each_prompt_pass():
     assert padding_share(lengths, [0, 1], 2, prompt_reads=1) == pytest.approx(1 - (5 + 5) / (2 * 7))
 
 
-def varied_samples(n: int = 24, seed: int = 0) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p, a = 2 + (7 * i) % 13, 1 + (5 * i) % 6
-        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
-                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
-    return out
-
-
 def test_trainer_groups_batches_by_default_and_logs_padding(tmp_path):
-    data = varied_samples()
+    data = samples(24, lengths=varied_lengths)
     trainer, settings = make_trainer(tmp_path / "g", data=data, batch_size=4, grad_accum=1, steps=6, log_every=3)
     assert trainer.group_by_length
     assert isinstance(trainer.train_sampler(), LengthGroupedSampler)
@@ -93,10 +84,10 @@ def test_trainer_groups_batches_by_default_and_logs_padding(tmp_path):
 
 
 def test_grouped_resume_matches_uninterrupted_run(tmp_path):
-    data = varied_samples()
+    data = samples(24, lengths=varied_lengths)
     full, settings = make_trainer(tmp_path / "full", data=data, batch_size=4, grad_accum=1, steps=8)
     run_training(full, settings)
-    expected = weights(full)
+    expected = trainable(full.model)
     first, settings = make_trainer(tmp_path / "cut", data=data, batch_size=4, grad_accum=1, steps=8, save_every=4,
                                    callbacks=[Interrupt(at=7)])
     with pytest.raises(KeyboardInterrupt):  # a crash in the second epoch (6 batches per epoch)
@@ -104,8 +95,7 @@ def test_grouped_resume_matches_uninterrupted_run(tmp_path):
     assert [p.name for p in checkpoints(tmp_path / "cut" / "run")] == ["checkpoint-4"]  # resumes mid-epoch
     resumed, settings = make_trainer(tmp_path / "cut", data=data, batch_size=4, grad_accum=1, steps=8, save_every=4)
     run_training(resumed, settings, resume=True)
-    for k, v in weights(resumed).items():
-        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-6, msg=k)
+    assert_same_weights(trainable(resumed.model), expected, atol=1e-6)
 
 
 def test_group_norms_are_logged_and_clip_all_scales_everything(tmp_path):

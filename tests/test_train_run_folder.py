@@ -19,8 +19,8 @@ from bitune.cli import main
 from bitune.errors import BituneError
 from bitune.train.run_folder import run_lock
 from bitune.train.trainer import LOG_FILE, checkpoints, run_training
-from dist_helpers import Interrupt
-from gen_helpers import save_checkpoint
+from helpers.dist import Interrupt
+from helpers.gen import save_checkpoint
 from test_train import make_trainer, read_log
 
 

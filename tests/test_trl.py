@@ -22,10 +22,11 @@ from bitune.loading import load_bitune
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import build_trainer, run_training
 from bitune.trl import BituneSFTTrainer, TrainerModel
-from conftest import tiny_model
-from eval_helpers import tiny_tokenizer
+from helpers.compare import assert_same_weights, trainable
+from helpers.models import tiny_model
+from helpers.sft import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, write_bitune_rows
+from helpers.tokenizer import tiny_tokenizer
 from test_conversations import CONVERSATION, chat_tokenizer
-from trl_helpers import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, trainable, write_bitune_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -34,12 +35,6 @@ def bitune_samples(tmp_path, trl_rows, tokenizer) -> list[dict]:
     """What ``bitune train`` feeds its loop: the rows loaded from a file and tokenized by its code."""
     examples = load_examples(write_bitune_rows(tmp_path / "rows.jsonl", trl_rows), "train")
     return tokenize_dataset(tokenizer, examples, 128)[0]
-
-
-def assert_same(got: dict, expected: dict, atol: float) -> None:
-    assert got.keys() == expected.keys()
-    for k in expected:
-        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=atol, msg=k)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -89,7 +84,7 @@ def test_trainer_batches_are_the_collators_batches(tmp_path):
                                                   for r in rows()])[0]
     for batch in trainer.get_train_dataloader():
         expected = Collator(pad_id(tiny_tokenizer()))([samples[i] for i in batch_order(trainer, batch)])
-        assert_same(dict(batch), expected, atol=0)
+        assert_same_weights(dict(batch), expected, atol=0)
 
 
 def test_rows_longer_than_max_length_are_dropped_not_truncated(tmp_path):
@@ -123,7 +118,7 @@ def test_loss_and_gradients_equal_bitune_forward(tmp_path):
     torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(loss, out.example_loss.mean(), rtol=0, atol=1e-6)  # the example mean,
     assert abs(loss - (-out.token_logprobs.sum() / reference["answer_mask"].sum())) > 1e-4  # not TRL's token mean
-    assert_same(got, {k: p.grad for k, p in model.trainable_parameters().items()}, atol=1e-6)
+    assert_same_weights(got, {k: p.grad for k, p in model.trainable_parameters().items()}, atol=1e-6)
     assert all(g.abs().sum() > 0 for g in got.values())  # both adapters and the mixer learn
 
 
@@ -186,7 +181,7 @@ def test_trl_run_matches_bitune_train(tmp_path):
     before = trainable(fresh_model())
     after = trainable(loop.model)
     assert all(not torch.equal(before[k], after[k]) for k in after)
-    assert_same(trainable(trainer.bitune_model), after, atol=1e-6)
+    assert_same_weights(trainable(trainer.bitune_model), after, atol=1e-6)
 
 
 class StopAt(TrainerCallback):
@@ -211,7 +206,7 @@ def test_resume_continues_exactly(tmp_path):
     resumed = sft_trainer(str(tmp_path / "run"))
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
-    assert_same(trainable(resumed.bitune_model), trainable(straight.bitune_model), atol=0)
+    assert_same_weights(trainable(resumed.bitune_model), trainable(straight.bitune_model), atol=0)
 
 
 def test_saved_model_loads_and_generates_the_same_tokens(tmp_path):
@@ -225,7 +220,7 @@ def test_saved_model_loads_and_generates_the_same_tokens(tmp_path):
     assert config["template"] == "none" and config["variant"] == "bitune"
     loaded = BituneModel.from_pretrained(final, base=tiny_model()).eval()
     model = trainer.bitune_model.eval()
-    assert_same(trainable(loaded), trainable(model), atol=0)
+    assert_same_weights(trainable(loaded), trainable(model), atol=0)
     tok = tiny_tokenizer()
     prompts = tok(["q1: red blue?", "q7: sun moon tree?"], padding=True, padding_side="left", return_tensors="pt")
     args = (prompts["input_ids"], prompts["attention_mask"])
@@ -241,7 +236,7 @@ def test_saving_over_another_checkpoint_leaves_none_of_its_parts(tmp_path):
         "README.md", "bitune_config.json", "causal"]
     loaded = BituneModel.from_pretrained(tmp_path / "final", base=tiny_model())
     assert loaded.config.variant == "lora"
-    assert_same(trainable(loaded), trainable(baseline.bitune_model), atol=0)
+    assert_same_weights(trainable(loaded), trainable(baseline.bitune_model), atol=0)
 
 
 def test_a_named_model_is_loaded_wrapped_and_recorded(tmp_path):
@@ -256,7 +251,7 @@ def test_a_named_model_is_loaded_wrapped_and_recorded(tmp_path):
     config = json.loads((tmp_path / "final" / "bitune_config.json").read_text())
     assert config["base_model"] == str(base) and config["variant"] == "no_mixing"
     model, _ = load_bitune(checkpoint=str(tmp_path / "final"))  # what bitune generate/eval/chat load
-    assert_same(trainable(model), trainable(trainer.bitune_model), atol=0)
+    assert_same_weights(trainable(model), trainable(trainer.bitune_model), atol=0)
 
 
 @pytest.mark.slow
@@ -271,7 +266,7 @@ def test_two_processes_reach_the_weights_of_one(tmp_path):
     job = accelerate_launch(2, "--out", str(tmp_path / "two"), "--batch-size", "1")
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     two = BituneModel.from_pretrained(tmp_path / "two" / "final", base=tiny_model())
-    assert_same(trainable(two), trainable(one.bitune_model), atol=5e-5)
+    assert_same_weights(trainable(two), trainable(one.bitune_model), atol=5e-5)
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -309,7 +304,7 @@ def test_sft_configs_checkpointing_default_trains_with_the_same_loss_and_gradien
         results.append((loss.detach(), {k: p.grad.clone() for k, p in model.trainable_parameters().items()}))
         model.zero_grad()
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=1e-5)
-    assert_same(results[1][1], results[0][1], atol=1e-5)
+    assert_same_weights(results[1][1], results[0][1], atol=1e-5)
     trainer = sft_trainer(str(tmp_path / "run"), activation_checkpointing=True)
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]

@@ -1,5 +1,6 @@
 """Training jobs on a tiny in-process Llama, run the same way in one process (imported by the tests) or in
-each process of ``torchrun`` (run as a script: ``python -m torch.distributed.run ... tests/dist_helpers.py``)."""
+each process of ``torchrun`` (run as a module, with ``tests/`` on ``PYTHONPATH``:
+``python -m torch.distributed.run ... -m helpers.dist``), and what the multi-process tests compare them by."""
 
 from __future__ import annotations
 
@@ -18,20 +19,12 @@ from bitune import BituneModel
 from bitune.data.collate import Collator
 from bitune.train.settings import TrainSettings
 from bitune.train.trainer import build_trainer, run_training
-from conftest import EOS, VOCAB, perturb_adapters, tiny_model
+from helpers.compare import trainable
+from helpers.data import rank_lengths, samples
+from helpers.models import perturb_adapters, tiny_bitune, tiny_model
 
-HERE = Path(__file__).resolve().parent
-
-
-def samples(n: int = 16, seed: int = 0) -> list[dict]:
-    """Token-id samples of mixed prompt/answer lengths (so ranks hold different token counts)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p, a = 3 + i % 5, 1 + (3 * i) % 7
-        out.append({"prompt_ids": torch.randint(3, VOCAB, (p,), generator=g).tolist(),
-                    "answer_ids": torch.randint(3, VOCAB, (a,), generator=g).tolist() + [EOS]})
-    return out
+TESTS = Path(__file__).resolve().parents[1]
+"""The ``tests/`` folder: on ``PYTHONPATH`` in the launched processes, so that ``helpers`` imports there too."""
 
 
 class Interrupt(TrainerCallback):
@@ -49,27 +42,44 @@ def train_tiny(output_dir: str, variant: str = "bitune", method: str = "lora", b
                grad_accum: int = 2, steps: int = 4, save_every: int | None = None, resume: bool = False,
                interrupt_at: int | None = None, lr: float = 1e-2, fsdp: bool = False,
                checkpointing: bool = False, clip: str = "all", max_grad_norm: float = 1.0):
-    """Train a fresh tiny Llama (same initial weights every call) on :func:`samples`; returns the trainer."""
+    """Train a fresh tiny Llama (same initial weights every call) on 16 :func:`~helpers.data.samples` of
+    :func:`~helpers.data.rank_lengths`; returns the trainer."""
     settings = TrainSettings.from_dict(dict(
         model="tiny", dataset="tiny", output_dir=output_dir, batch_size=batch_size, grad_accum=grad_accum,
         steps=steps, lr=lr, log_every=1, seed=0, save_every=save_every, save_total_limit=None,
         warmup_ratio=0.0, bitune={"variant": variant, "method": method}, fsdp=fsdp,
         gradient_checkpointing=checkpointing, clip=clip, max_grad_norm=max_grad_norm))
     transformers.set_seed(settings.seed)
-    model = perturb_adapters(BituneModel.wrap(tiny_model(), settings.bitune))  # LoRA B != 0: no all-zero grads
-    trainer = build_trainer(model, settings, samples(), None, Collator(0), tensorboard=True)
+    model = perturb_adapters(tiny_bitune(config=settings.bitune))  # LoRA B != 0: no all-zero grads
+    trainer = build_trainer(model, settings, samples(16, lengths=rank_lengths), None, Collator(0), tensorboard=True)
     if interrupt_at is not None:
         trainer.add_callback(Interrupt(interrupt_at))
     run_training(trainer, settings, resume=resume)
     return trainer
 
 
+def train_global_batch(run_dir: Path, **kwargs):
+    """:func:`train_tiny` in 1 process with batch 4 x accumulation 2 for 4 steps (global batch 8): what 2
+    processes x batch 2 x accumulation 2 must reach; returns the trainer."""
+    return train_tiny(str(run_dir), batch_size=4, grad_accum=2, steps=4, **kwargs)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The trainable weights of the model a run saved to ``run_dir/final``."""
+    return trainable(BituneModel.from_pretrained(run_dir / "final", base=tiny_model()))
+
+
+def check(job: subprocess.CompletedProcess) -> None:
+    """The launched job succeeded; otherwise the end of its output is the failure message."""
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run this file as a script in ``nproc`` gloo processes, one thread each."""
-    path = [str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    """Run this module (:func:`main`) in ``nproc`` gloo processes, one thread each."""
+    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "dist_helpers.py"), *args]
+           "-m", "helpers.dist", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

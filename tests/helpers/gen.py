@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bitune import BituneConfig, BituneModel
-from conftest import perturb_adapters, tiny_model
-from eval_helpers import tiny_tokenizer
+from bitune import BituneModel
+from helpers.models import perturb_adapters, tiny_bitune, tiny_model
+from helpers.tokenizer import tiny_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 """A chat template in the tiny tokenizer's alphabet; each turn ends with the eos token."""
 
 
-
-
-def tiny_bitune(base_dir: str | None = None, variant: str = "bitune", scale: float = 0.3) -> BituneModel:
+def perturbed_bitune(base_dir: str | None = None, variant: str = "bitune", scale: float = 0.3) -> BituneModel:
     """A tiny Llama wrapped as ``variant``, adapters perturbed so that both weight sets matter."""
-    model = BituneModel.wrap(tiny_model(), BituneConfig(variant=variant, base_model=base_dir))
+    model = tiny_bitune(variant=variant, base_model=base_dir)
     return perturb_adapters(model, scale=scale) if variant != "pretrained" else model
 
 
@@ -29,6 +27,6 @@ def save_checkpoint(root: Path, variant: str = "bitune", chat_template: bool = F
         tokenizer.chat_template = CHAT_TEMPLATE
     tiny_model().save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
-    model = tiny_bitune(str(base_dir), variant)
+    model = perturbed_bitune(str(base_dir), variant)
     model.save_pretrained(root / "ckpt")
     return root / "ckpt", model

@@ -1,6 +1,6 @@
 """A tiny Bitune model trained by ``BituneSFTTrainer`` and by ``bitune train``'s loop on the same rows, the same
-way in one process (imported by the tests) or in each process of ``accelerate launch`` (run as a script:
-``accelerate launch --num_processes 2 tests/trl_helpers.py --out DIR``)."""
+way in one process (imported by the tests) or in each process of ``accelerate launch`` (run as a module, with
+``tests/`` on ``PYTHONPATH``: ``accelerate launch --num_processes 2 -m helpers.sft --out DIR``)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from bitune import BituneConfig, BituneModel
-from conftest import perturb_adapters, tiny_model
-from eval_helpers import tiny_tokenizer
+from bitune import BituneModel
+from helpers.models import perturb_adapters, tiny_bitune
+from helpers.tokenizer import tiny_tokenizer
 
-HERE = Path(__file__).resolve().parent
-DDP_CONFIG = HERE.parent / "configs" / "accelerate" / "ddp.yaml"
+TESTS = Path(__file__).resolve().parents[1]
+"""The ``tests/`` folder: on ``PYTHONPATH`` in the launched processes, so that ``helpers`` imports there too."""
+DDP_CONFIG = TESTS.parent / "configs" / "accelerate" / "ddp.yaml"
 WORDS = ["red", "blue", "green", "one", "two", "sky", "sea", "cat", "dog", "sun", "moon", "tree"]
 
 
@@ -42,7 +43,7 @@ def write_bitune_rows(path: Path, trl_rows: list[dict]) -> str:
 def fresh_model(variant: str = "bitune") -> BituneModel:
     """The same initial weights every call (LoRA B perturbed off zero, so every parameter gets a gradient)."""
     transformers.set_seed(0)
-    return perturb_adapters(BituneModel.wrap(tiny_model(), BituneConfig(variant=variant)))
+    return perturb_adapters(tiny_bitune(variant=variant))
 
 
 def sft_config(output_dir: str, **overrides):
@@ -72,16 +73,12 @@ def sft_trainer(output_dir: str, train_rows: list[dict] | None = None, model: Bi
                             callbacks=callbacks)
 
 
-def trainable(model: BituneModel) -> dict[str, torch.Tensor]:
-    return {k: p.detach().clone() for k, p in model.trainable_parameters().items()}
-
-
 def accelerate_launch(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run this file as a script under ``accelerate launch`` with the project's DDP config (the README's line) in
-    ``nproc`` processes: gloo on CPU, one thread each."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    """Run this module (:func:`main`) under ``accelerate launch`` with the project's DDP config (the README's line)
+    in ``nproc`` processes: gloo on CPU, one thread each."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(DDP_CONFIG), "--num_processes",
-           str(nproc), str(HERE / "trl_helpers.py"), *args]
+           str(nproc), "-m", "helpers.sft", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
