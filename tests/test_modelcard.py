@@ -29,7 +29,7 @@ from helpers.compare import assert_same_weights, trainable
 from helpers.gen import save_checkpoint
 from helpers.models import perturb_adapters, tiny_bitune, tiny_model
 from helpers.sft import sft_trainer
-from test_train import make_trainer
+from helpers.train import make_trainer
 
 USER_README = b"# My model\r\n\nMine, not bitune's: \xff kept byte for byte.\n"
 """A user's own README (CRLF and a byte that is not UTF-8: a rewrite would not reproduce it)."""

@@ -11,7 +11,7 @@ import pytest
 from bitune.passes import Prefill
 from bitune.serve import scheduler as sched
 from bitune.serve.scheduler import Job, Scheduler, SchedulerDown
-from test_serve_scheduler import PROMPTS, _model, _Tok
+from helpers.serve import PROMPTS, IdTokenizer, scheduler_model
 
 WAIT = 20  # seconds any request may take here at most (a hang fails the test instead of blocking the suite)
 
@@ -66,7 +66,7 @@ def test_a_failing_round_ends_its_requests_and_the_scheduler_carries_on(monkeypa
     fn = original.__func__ if isinstance(original, staticmethod) else original
     patched = _raising(fn, times)
     monkeypatch.setattr(owner, name, wrap(patched) if wrap else patched)
-    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    scheduler = Scheduler(scheduler_model("llama"), IdTokenizer(), max_batch_size=4)
     scheduler.start()
     try:
         # two requests of different lengths: rows join a running batch (concat) and one leaves early (select)
@@ -83,7 +83,7 @@ def test_a_failing_round_ends_its_requests_and_the_scheduler_carries_on(monkeypa
 
 
 def test_a_failing_event_callback_does_not_take_the_others_down():
-    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    scheduler = Scheduler(scheduler_model("llama"), IdTokenizer(), max_batch_size=4)
     scheduler.start()
     try:
         def broken(event):
@@ -95,7 +95,7 @@ def test_a_failing_event_callback_does_not_take_the_others_down():
 
 
 def test_a_failing_loop_marks_the_scheduler_down_and_ends_every_request(monkeypatch):
-    scheduler = Scheduler(_model("llama"), _Tok(), max_batch_size=4)
+    scheduler = Scheduler(scheduler_model("llama"), IdTokenizer(), max_batch_size=4)
     gate = threading.Event()
 
     class Broken(list):
@@ -118,7 +118,7 @@ def test_a_failing_loop_marks_the_scheduler_down_and_ends_every_request(monkeypa
 
 
 def test_stop_returns_only_after_the_running_step():
-    model = _model("llama")
+    model = scheduler_model("llama")
     step, entered, release, finished = model.decode_step, threading.Event(), threading.Event(), threading.Event()
 
     def held(state, pick):  # the step stays on the model until the test releases it
@@ -129,7 +129,7 @@ def test_stop_returns_only_after_the_running_step():
         return out
 
     model.decode_step = held
-    scheduler = Scheduler(model, _Tok())
+    scheduler = Scheduler(model, IdTokenizer())
     scheduler.start()
     pending = [_submit(scheduler, PROMPTS[0], 8)]
     assert entered.wait(WAIT)

@@ -8,28 +8,10 @@ import threading
 import pytest
 import torch
 
-from bitune import BituneModel
 from bitune.serve.scheduler import Event, Job, QueueFull, Scheduler
-from helpers.models import EOS, perturb_adapters, tiny_bitune
-from helpers.serve import greedy_tokens
+from helpers.serve import PROMPTS, IdTokenizer, greedy_tokens, scheduler_model
 
-PROMPTS = [[2, 5, 9, 11, 7], [2, 30, 31], [2, 8, 8, 8, 8, 9, 40, 41, 42], [2, 50, 13, 17], [2, 60, 6]]
 WAIT = 60  # seconds a job may take here at most (a hang fails the test instead of blocking the suite)
-
-
-class _Tok:
-    """The few tokenizer calls the scheduler makes, on ids only (the model is tested, not a vocabulary)."""
-
-    pad_token_id = 0
-    eos_token_id = EOS
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x4e00 + i) for i in ids)
-
-
-def _model(arch: str, variant: str = "bitune") -> BituneModel:
-    model = tiny_bitune(arch, variant=variant)
-    return (perturb_adapters(model, scale=0.3) if variant != "pretrained" else model).eval()
 
 
 def _listen(jobs: list[Job]) -> tuple[list[list[Event]], list[threading.Event]]:
@@ -56,12 +38,12 @@ def _run(scheduler: Scheduler, jobs: list[Job]) -> list[list[Event]]:
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_rows_joining_and_leaving_decode_what_each_prompt_decodes_alone(arch):
-    model = _model(arch)
+    model = scheduler_model(arch)
     lengths = [12, 3, 9, 15, 6]
     jobs = [Job(p, n, end_ids=frozenset()) for p, n in zip(PROMPTS, lengths)]
     events, done = _listen(jobs)
     sizes, step = [], model.decode_step
-    scheduler = Scheduler(model, _Tok(), max_batch_size=4, max_queue=8)
+    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=4, max_queue=8)
 
     def arriving(state, pick):  # job i arrives during decoding step 2i (from the model's thread: no timing)
         sizes.append(state.ids.shape[0])
@@ -85,10 +67,10 @@ def test_rows_joining_and_leaving_decode_what_each_prompt_decodes_alone(arch):
 
 
 def test_end_token_ends_a_row_and_is_not_text():
-    model = _model("llama")
+    model = scheduler_model("llama")
     ref = greedy_tokens(model, PROMPTS[0], [], 10)
     end = ref[3]
-    scheduler = Scheduler(model, _Tok())
+    scheduler = Scheduler(model, IdTokenizer())
     scheduler.start()
     job = Job(PROMPTS[0], 10, end_ids=frozenset({end}))
     try:
@@ -98,11 +80,11 @@ def test_end_token_ends_a_row_and_is_not_text():
     first = ref.index(end)
     assert job.tokens == ref[:first + 1]
     assert events[-1] == Event("end", finish_reason="stop", prompt_tokens=len(PROMPTS[0]), completion_tokens=first + 1)
-    assert "".join(e.text for e in events if e.kind == "text") == _Tok().decode(ref[:first])
+    assert "".join(e.text for e in events if e.kind == "text") == IdTokenizer().decode(ref[:first])
 
 
 def test_trimmed_state_decodes_like_the_untrimmed_one():
-    model = _model("gemma3")
+    model = scheduler_model("gemma3")
     ids = torch.tensor([[0, 0, 0, 2, 5, 9], [0, 2, 30, 31, 4, 4]])
     mask = (ids != 0).long()
     pre = model.prefill(ids, mask)
@@ -117,8 +99,8 @@ def test_trimmed_state_decodes_like_the_untrimmed_one():
 
 
 def test_queue_is_bounded():
-    model = _model("llama", "pretrained")
-    scheduler = Scheduler(model, _Tok(), max_batch_size=1, max_queue=2)  # not started: nothing leaves the queue
+    model = scheduler_model("llama", "pretrained")
+    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=1, max_queue=2)  # not started: nothing leaves the queue
     scheduler.submit(Job(PROMPTS[0], 2))
     scheduler.submit(Job(PROMPTS[1], 2))
     with pytest.raises(QueueFull, match="max-queue 2"):

@@ -16,7 +16,7 @@ from bitune.train.trainer import checkpoints, run_training
 from helpers.compare import assert_same_weights, trainable
 from helpers.data import samples, varied_lengths
 from helpers.dist import Interrupt
-from test_train import make_trainer, read_log
+from helpers.train import make_trainer, read_log
 
 
 def skewed_lengths(n: int = 400, seed: int = 0) -> list[tuple[int, int]]:

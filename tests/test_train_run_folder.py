@@ -21,7 +21,7 @@ from bitune.train.run_folder import run_lock
 from bitune.train.trainer import LOG_FILE, checkpoints, run_training
 from helpers.dist import Interrupt
 from helpers.gen import save_checkpoint
-from test_train import make_trainer, read_log
+from helpers.train import make_trainer, read_log
 
 
 def digest(folder: Path) -> dict[str, str]:

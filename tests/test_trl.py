@@ -25,8 +25,7 @@ from bitune.trl import BituneSFTTrainer, TrainerModel
 from helpers.compare import assert_same_weights, trainable
 from helpers.models import tiny_model
 from helpers.sft import accelerate_launch, fresh_model, rows, sft_config, sft_trainer, write_bitune_rows
-from helpers.tokenizer import tiny_tokenizer
-from test_conversations import CONVERSATION, chat_tokenizer
+from helpers.tokenizer import CONVERSATION, chat_tokenizer, tiny_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

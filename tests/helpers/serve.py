@@ -1,6 +1,7 @@
 """A ``bitune serve`` app on 127.0.0.1 at a free port, run by uvicorn in a background thread and stopped by the
 test; greedy references computed with the library directly; and synchronisation with the scheduler's thread
-(held decoding steps, the jobs submitted, a condition awaited), so that no test depends on timing."""
+(held decoding steps, the jobs submitted, a condition awaited), so that no test depends on timing; and, for the
+scheduler without HTTP, token-id prompts, a tiny model and an ids-only tokenizer."""
 
 from __future__ import annotations
 
@@ -10,14 +11,35 @@ import time
 
 import torch
 
+from bitune import BituneModel
 from bitune.bench.serve import free_port
 from bitune.generation import pick_template
 from bitune.loading import load_bitune
 from bitune.serve.app import Served, create_app
 from bitune.serve.scheduler import Job, Scheduler
+from helpers.models import EOS, perturb_adapters, tiny_bitune
 
 WAIT = 60
 """Seconds a test waits for something at most: a hang fails the test instead of blocking the suite."""
+
+PROMPTS = [[2, 5, 9, 11, 7], [2, 30, 31], [2, 8, 8, 8, 8, 9, 40, 41, 42], [2, 50, 13, 17], [2, 60, 6]]
+"""Token-id prompts of different lengths (each starting with ``<s>``) for the scheduler's tests."""
+
+
+class IdTokenizer:
+    """The few tokenizer calls the scheduler makes, on ids only (the model is tested, not a vocabulary)."""
+
+    pad_token_id = 0
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x4e00 + i) for i in ids)
+
+
+def scheduler_model(arch: str, variant: str = "bitune") -> BituneModel:
+    """A tiny ``arch`` BituneModel of ``variant`` in eval mode, its adapters perturbed (unless ``pretrained``)."""
+    model = tiny_bitune(arch, variant=variant)
+    return (perturb_adapters(model, scale=0.3) if variant != "pretrained" else model).eval()
 
 
 @contextlib.contextmanager
