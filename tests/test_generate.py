@@ -14,6 +14,7 @@ from bitune.data.templates import instruction_example
 from bitune.errors import BituneError
 from bitune.generation import encode, generate_texts, max_new_tokens_for, render
 from helpers.gen import perturbed_bitune, save_checkpoint
+from helpers.models import batch, perturb_adapters, tiny_bitune
 from helpers.tokenizer import tiny_tokenizer
 
 PROMPTS = ["what is 2+2?", "name a color.", "hi"]
@@ -179,3 +180,37 @@ def test_render_messages_writes_conversations_as_chat_and_generate_do():
                                 "\n\nAnswer:")
     with pytest.raises(Exception, match="assistant message must follow"):
         render_messages(tok, [{"role": "assistant", "content": "x"}, *one], "paper")
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_eager_answers(saved, tmp_path):
+    """``--compile`` (torch.compile, the prompt cache copied into a static cache) decodes the same greedy tokens as
+    the eager path, for a batch of left-padded prompts of mixed lengths."""
+    ckpt, _ = saved
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    outputs = {}
+    for flags in ([], ["--compile"]):
+        out = tmp_path / f"out{len(flags)}.jsonl"
+        assert main(["generate", "--checkpoint", str(ckpt), "--input", str(src), "--output", str(out),
+                     "--batch-size", "3", "--max-new-tokens", "6", "--device", "cpu", *flags]) == 0
+        outputs[tuple(flags)] = [json.loads(line)["output"] for line in out.read_text().splitlines()]
+    assert outputs[("--compile",)] == outputs[()] and any(outputs[()])
+
+
+@pytest.mark.slow
+def test_compiled_decoding_keeps_a_sliding_window():
+    """Gemma 3's sliding-window layers (window 4) over prompts longer than the window: the static cache keeps the
+    window, and the compiled decode matches the eager one token for token."""
+    model = perturb_adapters(tiny_bitune("gemma3"), scale=0.3).merge()
+    ids, mask, _, _ = batch(prompt_lens=(9, 6))
+    eager = model.generate(ids, mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+    compiled = model.generate(ids, mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None, compile=True)
+    assert torch.equal(compiled, eager)
+
+
+def test_compiled_decoding_returns_no_state():
+    model = perturbed_bitune()
+    ids, mask, _, _ = batch(prompt_lens=(5,))
+    with pytest.raises(ValueError, match="return_state"):
+        model.generate(ids, mask, max_new_tokens=2, compile=True, return_state=True)

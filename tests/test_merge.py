@@ -108,6 +108,27 @@ def test_decoding_runs_the_base_projections_alone():
     assert not calls
 
 
+def test_a_merged_layer_calls_its_base_projection_directly(monkeypatch):
+    """PEFT's layer forward (checks and bookkeeping around the base projection) runs in no decoding step of a
+    merged model, also after a bidir prompt pass routed its layers; unmerged, PEFT's forward is back."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    _, merged = pair()
+    calls = []
+    peft_forward = LoraLinear.forward
+    monkeypatch.setattr(LoraLinear, "forward", lambda self, *a, **k: calls.append(1) or peft_forward(self, *a, **k))
+    ids, mask, _, _ = prompts()
+    with torch.no_grad():
+        state = merged.prefill(ids, mask)
+        for _ in range(2):
+            state = merged.decode_step(state, lambda logits: logits.argmax(-1))
+    assert not calls
+    merged.unmerge()
+    with torch.no_grad():
+        merged.decode_step(merged.prefill(ids, mask), lambda logits: logits.argmax(-1))
+    assert calls
+
+
 def test_a_merged_model_refuses_to_train_and_trains_after_unmerge():
     _, merged = pair()
     ids, mask, answer_ids, answer_mask = prompts()
@@ -145,7 +166,7 @@ def test_training_after_inference_matches_training_alone(tmp_path, inference):
     bit. A model merged and unmerged again trains to the same weights within float rounding."""
     from bitune.train.trainer import run_training
     from helpers.compare import trainable
-    from test_train import make_trainer
+    from helpers.train import make_trainer
 
     results = []
     for before in (None, inference):

@@ -26,6 +26,7 @@ def test_summary_rates_and_percentiles():
     assert s["wall_s"] == 4.0 and s["tokens_per_s"] == 5.0 and s["requests_per_s"] == 0.5
     assert s["ttft_p50_s"] == pytest.approx(0.35) and s["latency_p50_s"] == 2.5
     assert s["latency_p99_s"] == pytest.approx(2.0 + 0.99 * 1.0)
+    assert s["stream_decode_tok_s"] == pytest.approx((9 / 1.5 + 9 / 2.8) / 2)  # after each stream's first token
 
 
 @pytest.mark.slow

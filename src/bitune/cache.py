@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import Cache, DynamicCache
+import torch.nn.functional as F
+from transformers import Cache, DynamicCache, StaticCache
 
 
 class PassComplete(Exception):
@@ -199,3 +200,25 @@ def detach_stop(cache) -> None:
     """Turn a prompt cache into an ordinary cache that the answer pass can extend."""
     if isinstance(cache, PromptCache):
         cache.stop_after_layer = None
+
+
+def static_copy(cache, config, max_cache_len: int):
+    """A transformers ``StaticCache`` of ``max_cache_len`` positions holding what ``cache`` holds (a sliding-window
+    layer keeps its window), for decoding with a compiled forward (``BituneModel.generate(compile=True)``)."""
+    static = StaticCache(config=config, max_cache_len=max_cache_len)
+    for i, layer in enumerate(cache.layers):
+        keys, values = layer_kv(cache, i)
+        seen = getattr(layer, "cumulative_length", keys.shape[-2])  # a sliding layer holds only its window's end
+        window = getattr(static.layers[i], "max_cache_len", max_cache_len)
+        if seen <= keys.shape[-2] or seen < window:
+            static.update(keys, values, i)
+            continue
+        # A sliding layer that has seen more than its window holds the last window - 1 positions; transformers'
+        # static sliding layer holds the last `window` ones and, once full, rolls one out before each new one is
+        # written. Put ours at the end and count every position seen, so the next token rolls the unused slot out.
+        pad = window - keys.shape[-2]
+        static.update(F.pad(keys, (0, 0, pad, 0)), F.pad(values, (0, 0, pad, 0)), i)
+        target = static.layers[i]
+        target.cumulative_length_int = seen
+        target.cumulative_length.fill_(seen)
+    return static

@@ -170,7 +170,8 @@ class StopStreamer(TextStreamer):
 
 
 def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper", max_new_tokens: int = 128,
-                   stop: list[str] | None = None, batch_size: int = 8, stream: bool = False, **sampling) -> list[str]:
+                   stop: list[str] | None = None, batch_size: int = 8, stream: bool = False, compile: bool = False,
+                   **sampling) -> list[str]:
     """Answers to ``prompts``, in order, in batches of left-padded prompts.
 
     Args:
@@ -182,6 +183,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
         stop: stop strings; generation stops at one and the answer is cut before it.
         batch_size: prompts per ``generate`` call.
         stream: print the tokens to stdout as they are produced (needs a single prompt).
+        compile: decode with ``torch.compile`` (``BituneModel.generate(compile=True)``).
         sampling: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ... for
             transformers' ``generate``.
 
@@ -201,7 +203,7 @@ def generate_texts(model, tokenizer, prompts: list[str], template: str = "paper"
         streamer = StopStreamer(tokenizer, stop) if stream else None
         new = model.generate(ids, mask, max_new_tokens=room, tokenizer=tokenizer,
                              stop_strings=stop or None, pad_token_id=pad_id(tokenizer), streamer=streamer,
-                             **sampling)  # (B, N)
+                             compile=compile, **sampling)  # (B, N)
         for row in new:
             answers.append(cut_at_stop(tokenizer.decode(row, skip_special_tokens=True), stop).strip())
     return answers

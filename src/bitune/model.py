@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import CompileConfig
 
 from . import cache as kv
 from . import checkpoint
@@ -74,6 +75,14 @@ class BituneOutput:
     logits: torch.Tensor
     token_logprobs: torch.Tensor
     example_loss: torch.Tensor
+
+
+def decode_compile_config(device: torch.device) -> CompileConfig:
+    """What transformers' ``generate`` compiles the decoding forward with: inductor's default mode on CPU (CUDA
+    graphs, transformers' default mode, exist only on GPUs)."""
+    config = CompileConfig(mode="default" if device.type == "cpu" else "reduce-overhead")
+    config._compile_all_devices = True  # generate compiles on accelerators only unless this private flag is set
+    return config
 
 
 class BituneModel(nn.Module):
@@ -441,7 +450,8 @@ class BituneModel(nn.Module):
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int = 128,
                  do_sample: bool = False, tokenizer=None, stop_strings: list[str] | None = None,
-                 past: Prefill | None = None, return_state: bool = False, **generate_kwargs):
+                 past: Prefill | None = None, return_state: bool = False, compile: bool = False,
+                 **generate_kwargs):
         """Decode answers from the mixed prompt cache with transformers' ``generate``.
 
         The prompt passes prefill the cache once (:meth:`prefill`); ``generate`` then feeds the prompt's last
@@ -459,6 +469,10 @@ class BituneModel(nn.Module):
             past: a conversation to continue, B rows (the state returned with ``return_state``; see
                 :meth:`prefill`). Default None: fresh prompts.
             return_state: also return the conversation state after this answer (answers stay causal in it).
+            compile: decode with ``torch.compile`` (default False): the prompt cache is copied into a static cache
+                and transformers' ``generate`` compiles the model's forward for the decoding steps. The first
+                call of each shape pays the compilation (a minute or more on CPU); see the benchmarks page for what
+                it gains. Not with ``return_state``.
             **generate_kwargs: passed on to transformers' ``generate``: sampling options (``temperature``,
                 ``top_p``, ``top_k``, ...), ``streamer``, ``eos_token_id``, ``pad_token_id``, ...
 
@@ -474,6 +488,9 @@ class BituneModel(nn.Module):
         """
         if stop_strings and tokenizer is None:
             raise ValueError("generate(stop_strings=...) needs tokenizer=")
+        if compile and return_state:
+            raise ValueError("generate(compile=True) decodes into a static cache and returns no conversation state; "
+                             "drop return_state or compile")
         check_prompt(prompt_ids, prompt_mask)
         held = past.mask.sum(1) + 1 if past is not None else 0  # (B,) a conversation's positions + its last token
         longest = int((prompt_mask.sum(1) + held).max())  # positions of the longest row before the answer
@@ -484,7 +501,11 @@ class BituneModel(nn.Module):
             generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
         input_ids = torch.cat([pre.ids, pre.last_token], dim=1)  # (B, T+1); all but the last are cached
         attention_mask = torch.cat([pre.mask, torch.ones_like(pre.last_token)], dim=1)
-        out = self.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=pre.cache,
+        cache = pre.cache
+        if compile:
+            cache = kv.static_copy(cache, self.text_config, input_ids.shape[1] + max_new_tokens)
+            generate_kwargs["compile_config"] = decode_compile_config(input_ids.device)
+        out = self.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                                          max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
         new = out[:, input_ids.shape[1]:]
         if not return_state:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..hub import load_model
+from ..model import decode_compile_config
 from .helpers import build, device_dtype, interleaved, random_prompts, sync
 
 
@@ -73,15 +74,22 @@ def bench_generate(args) -> dict:
     gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
 
     def bitune_generate(model, passes):
-        def run(n, streamer):
+        def run(n, streamer, **kwargs):
             model.prompt_passes = passes  # same weights, prompt read batched or sequentially
-            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen)
+            if kwargs:  # compiled: our generate makes the static cache and the compile config
+                kwargs = {"compile": True}
+            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen, **kwargs)
         return run
 
     def hf_generate(model):  # transformers' own generate from scratch
-        def run(n, streamer):
+        def run(n, streamer, **kwargs):
             return model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
-                                  min_new_tokens=n, streamer=streamer, **gen)
+                                  min_new_tokens=n, streamer=streamer, **gen, **kwargs)
+        return run
+
+    def compiled(run_generate, **kwargs):  # decoding compiled (static cache); the first call of a shape compiles
+        def run(n, streamer):
+            return run_generate(n, streamer, compile_config=decode_compile_config(device), **kwargs)
         return run
 
     default = bitune.prefill_path(args.prompt_tokens - 1)  # what prompt_passes="auto" reads this prompt with
@@ -91,8 +99,11 @@ def bench_generate(args) -> dict:
                "lora_unmerged": hf_generate(lora_unmerged.weights.model),
                "bitune": bitune_generate(bitune, "auto"), f"bitune_{other}": bitune_generate(bitune, other),
                "bitune_unmerged": bitune_generate(bitune_unmerged, "auto")}
-    for fn in runners.values():
-        fn(2, None)  # warm-up
+    if args.compile:
+        runners.update(base_compiled=compiled(hf_generate(base_model), cache_implementation="static"),
+                       bitune_compiled=compiled(bitune_generate(bitune, "auto")))
+    for name, fn in runners.items():  # warm-up; a compiled one at the timed shape (a new shape recompiles)
+        fn(args.new_tokens if name.endswith("_compiled") else 2, None)
     samples = {name: [] for name in runners}
     for i in range(args.repeats):
         for name, fn in interleaved(runners.items(), i):
@@ -131,6 +142,10 @@ def bench_generate(args) -> dict:
     Console().print(f"Noise floor: a second copy of the base model measured the same way: prefill "
                     f"{summary['base_copy']['prefill_ratio']:.2f}x, decode {summary['base_copy']['decode_ratio']:.3f}x "
                     "(a ratio closer to 1 than this is not resolved by this run).")
+    if args.compile:
+        Console().print(f"Compiled decoding (torch.compile, static cache; opt-in --compile): base "
+                        f"{summary['base_compiled']['decode_ratio']:.3f}x, Bitune "
+                        f"{summary['bitune_compiled']['decode_ratio']:.3f}x the base model's eager decode tok/s.")
     Console().print(f"Bitune (merged, {default}) / base: prefill {summary['bitune']['prefill_ratio']:.2f}x (target "
                     f"<= 2.1x), decode tok/s {summary['bitune']['decode_ratio']:.3f}x (target >= 0.97x); LoRA "
                     f"(merged) decode {summary['lora']['decode_ratio']:.3f}x (target >= 0.97x). Unmerged: Bitune "

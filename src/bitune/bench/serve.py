@@ -166,7 +166,11 @@ def summarize(results: list[dict]) -> dict:
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     ttft = sorted(r["first"] - r["start"] for r in results)
     latency = sorted(r["end"] - r["start"] for r in results)
+    # Each stream's rate after its first token: the decoding steps alone, without the prompt reading (batched
+    # streams share the steps, so this is a per-stream rate, not the server's).
+    streams = [(r["tokens"] - 1) / (r["end"] - r["first"]) for r in results if r["tokens"] > 1 and r["end"] > r["first"]]
     return {"requests": len(results), "wall_s": wall, "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "stream_decode_tok_s": statistics.median(streams) if streams else float("nan"),
             "requests_per_s": len(results) / wall, "ttft_p50_s": statistics.median(ttft),
             "ttft_p99_s": _percentile(ttft, 0.99), "latency_p50_s": statistics.median(latency),
             "latency_p99_s": _percentile(latency, 0.99)}
@@ -302,6 +306,7 @@ def bench_serve(args) -> dict:
               "bitune_vs_lora": ratio("bitune", "lora"),
               "pretrained_vs_transformers": ratio("pretrained", "transformers_serve"),
               "bitune_ttft_vs_pretrained": ratio("bitune", "pretrained", "ttft_p50_s"),
+              "bitune_decode_vs_pretrained": ratio("bitune", "pretrained", "stream_decode_tok_s"),
               "bitune_unmerged_vs_pretrained": ratio("bitune_unmerged", "pretrained"),
               "lora_unmerged_vs_pretrained": ratio("lora_unmerged", "pretrained")}
     record = {"model": args.model, "device": args.device or "cpu", "dtype": args.dtype, "threads": args.threads,
@@ -323,12 +328,13 @@ def bench_serve(args) -> dict:
     names = {"batching": "batching / batch 1", "bitune_vs_pretrained": "Bitune / base model",
              "bitune_vs_lora": "Bitune / LoRA", "pretrained_vs_transformers": "base model / transformers serve",
              "bitune_ttft_vs_pretrained": "Bitune / base model, time to first token (p50)",
+             "bitune_decode_vs_pretrained": "Bitune / base model, each stream's tokens/s after its first token",
              "bitune_unmerged_vs_pretrained": "Bitune unmerged (--no-merge) / base model",
              "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model"}
     for key, value in ratios.items():
         if value is None:
             continue
-        what = "" if key in AT_MOST else " generated tokens/s"
+        what = "" if key in AT_MOST or key == "bitune_decode_vs_pretrained" else " generated tokens/s"
         if key not in TARGETS:
             console.print(f"{names[key]}: {value:.2f}x{what}")
             continue

@@ -30,6 +30,9 @@ def configure(parser) -> None:
     ge.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (the paper: 2000 on a GPU)")
     ge.add_argument("--new-tokens", type=int, default=64, help="generated tokens (the paper: 2000 on a GPU)")
     ge.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
+    ge.add_argument("--compile", action="store_true",
+                    help="also time decoding compiled (torch.compile, static cache) for the base model and Bitune "
+                         "(compiling takes minutes on CPU)")
     ge.add_argument("--output", default=None, help="also write the results as JSON here")
     da = sub.add_parser("data", help="training throughput on a config's real data, Bitune vs LoRA")
     da.add_argument("--config", action="append", required=True, metavar="FILE.yaml",

@@ -45,6 +45,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the prompt as given. Default: the template the checkpoint was trained with; for a base "
                              "model (--model) its chat template if it has one, else paper")
     parser.add_argument("--batch-size", type=int, default=8, help="with --input: prompts per generate call")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with torch.compile and a static cache: faster decoding steps, but each new "
+                             "batch shape is compiled first (a minute or more on CPU); pays off for long answers")
     add_sampling_options(parser)
 
 
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         set_seed(args.seed)
     template, why = pick_template(model, tokenizer, args.template)
     print(f"bitune generate: {template} template ({why})", file=sys.stderr)
-    common = dict(template=template, max_new_tokens=args.max_new_tokens, stop=args.stop, **sampling)
+    common = dict(template=template, max_new_tokens=args.max_new_tokens, stop=args.stop, compile=args.compile, **sampling)
     if args.prompt is not None:
         answers = generate_texts(model, tokenizer, [args.prompt], stream=True, **common)
         _report_empty(answers, template)
