@@ -214,3 +214,23 @@ def test_compiled_decoding_returns_no_state():
     ids, mask, _, _ = batch(prompt_lens=(5,))
     with pytest.raises(ValueError, match="return_state"):
         model.generate(ids, mask, max_new_tokens=2, compile=True, return_state=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_static_copy_of_the_prompt_cache_decodes_the_same_tokens(arch):
+    """What ``compile=True`` decodes from, without the compilation: the mixed prompt cache copied into
+    transformers' static cache (Gemma 3's sliding layers, window 4, over prompts longer than it) continues with the
+    same greedy tokens as the cache itself."""
+    from bitune import cache as kv
+
+    model = perturb_adapters(tiny_bitune(arch), scale=0.3).merge()
+    ids, mask, _, _ = batch(prompt_lens=(9, 6))
+    with torch.no_grad():
+        eager = model.generate(ids, mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+        pre = model.prefill(ids, mask)
+        input_ids = torch.cat([pre.ids, pre.last_token], 1)
+        attention_mask = torch.cat([pre.mask, torch.ones_like(pre.last_token)], 1)
+        static = kv.static_copy(pre.cache, model.text_config, input_ids.shape[1] + 6)
+        out = model.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=static,
+                                          max_new_tokens=6, pad_token_id=0, eos_token_id=None, do_sample=False)
+    assert torch.equal(out[:, input_ids.shape[1]:], eager)
