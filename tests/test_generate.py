@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -182,6 +183,11 @@ def test_render_messages_writes_conversations_as_chat_and_generate_do():
         render_messages(tok, [{"role": "assistant", "content": "x"}, *one], "paper")
 
 
+NEEDS_COMPILER = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                                    reason="torch.compile on CPU (inductor) needs a C++ compiler: apt install g++")
+
+
+@NEEDS_COMPILER
 @pytest.mark.slow
 def test_compiled_decoding_gives_the_eager_answers(saved, tmp_path):
     """``--compile`` (torch.compile, the prompt cache copied into a static cache) decodes the same greedy tokens as
@@ -198,6 +204,7 @@ def test_compiled_decoding_gives_the_eager_answers(saved, tmp_path):
     assert outputs[("--compile",)] == outputs[()] and any(outputs[()])
 
 
+@NEEDS_COMPILER
 @pytest.mark.slow
 def test_compiled_decoding_keeps_a_sliding_window():
     """Gemma 3's sliding-window layers (window 4) over prompts longer than the window: the static cache keeps the
