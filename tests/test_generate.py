@@ -241,3 +241,11 @@ def test_a_static_copy_of_the_prompt_cache_decodes_the_same_tokens(arch):
         out = model.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=static,
                                           max_new_tokens=6, pad_token_id=0, eos_token_id=None, do_sample=False)
     assert torch.equal(out[:, input_ids.shape[1]:], eager)
+
+
+def test_compiled_decoding_without_a_compiler_is_one_clear_error(monkeypatch):
+    model = perturbed_bitune()
+    ids, mask, _, _ = batch(prompt_lens=(5,))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(BituneError, match="C\\+\\+ compiler"):
+        model.generate(ids, mask, max_new_tokens=2, compile=True)

@@ -80,6 +80,9 @@ class BituneOutput:
 def decode_compile_config(device: torch.device) -> CompileConfig:
     """What transformers' ``generate`` compiles the decoding forward with: inductor's default mode on CPU (CUDA
     graphs, transformers' default mode, exist only on GPUs)."""
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++")):
+        raise BituneError("compiled decoding on CPU needs a C++ compiler (torch.compile's inductor builds its "
+                          "kernels with one): install g++, or decode without compile")
     config = CompileConfig(mode="default" if device.type == "cpu" else "reduce-overhead")
     config._compile_all_devices = True  # generate compiles on accelerators only unless this private flag is set
     return config
@@ -491,6 +494,8 @@ class BituneModel(nn.Module):
         if compile and return_state:
             raise ValueError("generate(compile=True) decodes into a static cache and returns no conversation state; "
                              "drop return_state or compile")
+        if compile:
+            generate_kwargs["compile_config"] = decode_compile_config(prompt_ids.device)
         check_prompt(prompt_ids, prompt_mask)
         held = past.mask.sum(1) + 1 if past is not None else 0  # (B,) a conversation's positions + its last token
         longest = int((prompt_mask.sum(1) + held).max())  # positions of the longest row before the answer
@@ -504,7 +509,6 @@ class BituneModel(nn.Module):
         cache = pre.cache
         if compile:
             cache = kv.static_copy(cache, self.text_config, input_ids.shape[1] + max_new_tokens)
-            generate_kwargs["compile_config"] = decode_compile_config(input_ids.device)
         out = self.weights.base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
                                          max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
         new = out[:, input_ids.shape[1]:]
