@@ -73,23 +73,17 @@ def bench_generate(args) -> dict:
     prompt = random_prompts(bitune.text_config.vocab_size, 1, args.prompt_tokens, device)
     gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
 
-    def bitune_generate(model, passes):
-        def run(n, streamer, **kwargs):
+    def bitune_generate(model, passes, compile=False):
+        def run(n, streamer):
             model.prompt_passes = passes  # same weights, prompt read batched or sequentially
-            if kwargs:  # compiled: our generate makes the static cache and the compile config
-                kwargs = {"compile": True}
-            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, **gen, **kwargs)
+            return model.generate(*prompt, max_new_tokens=n, min_new_tokens=n, streamer=streamer, compile=compile,
+                                  **gen)
         return run
 
-    def hf_generate(model):  # transformers' own generate from scratch
-        def run(n, streamer, **kwargs):
+    def hf_generate(model, **kwargs):  # transformers' own generate from scratch
+        def run(n, streamer):
             return model.generate(input_ids=prompt[0], attention_mask=prompt[1], max_new_tokens=n,
                                   min_new_tokens=n, streamer=streamer, **gen, **kwargs)
-        return run
-
-    def compiled(run_generate, **kwargs):  # decoding compiled (static cache); the first call of a shape compiles
-        def run(n, streamer):
-            return run_generate(n, streamer, compile_config=decode_compile_config(device), **kwargs)
         return run
 
     default = bitune.prefill_path(args.prompt_tokens - 1)  # what prompt_passes="auto" reads this prompt with
@@ -100,8 +94,10 @@ def bench_generate(args) -> dict:
                "bitune": bitune_generate(bitune, "auto"), f"bitune_{other}": bitune_generate(bitune, other),
                "bitune_unmerged": bitune_generate(bitune_unmerged, "auto")}
     if args.compile:
-        runners.update(base_compiled=compiled(hf_generate(base_model), cache_implementation="static"),
-                       bitune_compiled=compiled(bitune_generate(bitune, "auto")))
+        # decoding compiled, from a static cache; the first call of a shape compiles
+        runners.update(base_compiled=hf_generate(base_model, cache_implementation="static",
+                                                 compile_config=decode_compile_config(device)),
+                       bitune_compiled=bitune_generate(bitune, "auto", compile=True))
     for name, fn in runners.items():  # warm-up; a compiled one at the timed shape (a new shape recompiles)
         fn(args.new_tokens if name.endswith("_compiled") else 2, None)
     samples = {name: [] for name in runners}
