@@ -3,11 +3,14 @@ our server under load (two clients), all on 127.0.0.1."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import types
 
 import pytest
 
-from bitune.bench.serve import checkpoints, ours, prompts, run_servers, summarize
+from bitune.bench.serve import checkpoints, cpu_seconds, ours, prompts, run_servers, summarize
 from bitune.errors import BituneError
 from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer
@@ -29,6 +32,21 @@ def test_summary_rates_and_percentiles():
     assert s["stream_decode_tok_s"] == pytest.approx((9 / 1.5 + 9 / 2.8) / 2)  # after each stream's first token
 
 
+def test_cpu_seconds_count_the_work_of_a_process_and_of_its_children():
+    burn = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+    script = (f"import subprocess, sys\ninput()\nsubprocess.run([sys.executable, '-c', {burn!r}])\n"
+              "print('done', flush=True)\ninput()\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        before = cpu_seconds(parent)
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "done"  # the child burnt 0.3 s of CPU and was waited for
+        assert 0.3 <= cpu_seconds(parent) - before < 5  # (the parent itself only waits)
+    finally:
+        parent.communicate("\n", timeout=30)
+
+
 @pytest.mark.slow
 def test_a_tiny_load_on_our_server_counts_every_generated_token(tmp_path):
     ckpt, _ = save_checkpoint(tmp_path)
@@ -37,6 +55,7 @@ def test_a_tiny_load_on_our_server_counts_every_generated_token(tmp_path):
     texts = prompts(tiny_tokenizer(), 2, 10)
     results = run_servers([[server]], texts, args)["tiny"]  # a request with another token count raises
     assert len(results) == 1 and results[0]["requests"] == 4 and results[0]["tokens_per_s"] > 0
+    assert 0 < results[0]["cpu_ms_per_token"] < 1000 * results[0]["wall_s"]
     assert server.process.poll() is not None  # stopped
 
 

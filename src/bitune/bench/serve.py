@@ -7,7 +7,9 @@ order reversed every other round, so machine drift hits all alike; ratios are ta
 median. A load is N clients each sending M streamed ``/v1/completions`` requests one after another: prompts of
 exactly P tokens (distinct per client) and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here,
 a ``generation_config`` without eos for transformers). Reported per server: generated tokens/s and requests/s
-over the load's wall time, time to first token and latency p50 / p99.
+over the load's wall time, time to first token and latency p50 / p99, and the CPU time the server process
+(threads and children included) spent on the load per generated token: on a CPU that is the cost of a token,
+which other work on the machine inflates less than it does wall times.
 """
 
 from __future__ import annotations
@@ -141,9 +143,26 @@ def request(server: Server, prompt: str, new_tokens: int) -> dict:
     return {"start": start_time, "first": first if first is not None else end, "end": end, "tokens": tokens}
 
 
+def cpu_seconds(process: subprocess.Popen) -> float:
+    """User + system CPU seconds of a process so far: its threads, its live children and the children it has
+    waited for."""
+    import psutil
+
+    proc = psutil.Process(process.pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:  # ended since the listing: its time is its parent's once waited for
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def load(server: Server, texts: list[str], requests_per_client: int, new_tokens: int) -> dict:
     """N clients (one per text), each sending its requests one after another; the load's summary."""
     results, errors = [], []
+    cpu_before = cpu_seconds(server.process)
 
     def client(text: str) -> None:
         try:
@@ -159,7 +178,9 @@ def load(server: Server, texts: list[str], requests_per_client: int, new_tokens:
         t.join()
     if errors:
         raise errors[0]
-    return summarize(results)
+    summary = summarize(results)
+    summary["cpu_ms_per_token"] = 1000 * (cpu_seconds(server.process) - cpu_before) / sum(r["tokens"] for r in results)
+    return summary
 
 
 def summarize(results: list[dict]) -> dict:
@@ -307,6 +328,9 @@ def bench_serve(args) -> dict:
               "pretrained_vs_transformers": ratio("pretrained", "transformers_serve"),
               "bitune_ttft_vs_pretrained": ratio("bitune", "pretrained", "ttft_p50_s"),
               "bitune_decode_vs_pretrained": ratio("bitune", "pretrained", "stream_decode_tok_s"),
+              # CPU per generated token, the other server's over ours: how much cheaper our tokens are
+              "pretrained_vs_transformers_cpu": ratio("transformers_serve", "pretrained", "cpu_ms_per_token"),
+              "bitune_vs_pretrained_cpu": ratio("pretrained", "bitune", "cpu_ms_per_token"),
               "bitune_unmerged_vs_pretrained": ratio("bitune_unmerged", "pretrained"),
               "lora_unmerged_vs_pretrained": ratio("lora_unmerged", "pretrained")}
     record = {"model": args.model, "device": args.device or "cpu", "dtype": args.dtype, "threads": args.threads,
@@ -318,11 +342,13 @@ def bench_serve(args) -> dict:
     table = Table(title=f"bitune bench serve: {args.model}, {args.dtype}, {args.threads} threads, {args.clients} "
                         f"clients x {args.requests} requests, prompt {args.prompt_tokens} tokens, "
                         f"{args.new_tokens} generated, median of {args.rounds} rounds")
-    for col in ("server", "tokens/s", "requests/s", "TTFT p50 s", "TTFT p99 s", "latency p50 s", "latency p99 s"):
+    for col in ("server", "tokens/s", "requests/s", "TTFT p50 s", "TTFT p99 s", "latency p50 s", "latency p99 s",
+                "CPU ms / token"):
         table.add_column(col, justify="right")
     for name, r in rows.items():
         table.add_row(name, f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.3f}", f"{r['ttft_p50_s']:.2f}",
-                      f"{r['ttft_p99_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}")
+                      f"{r['ttft_p99_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
+                      f"{r['cpu_ms_per_token']:.1f}")
     console = Console(width=120)
     console.print(table)
     names = {"batching": "batching / batch 1", "bitune_vs_pretrained": "Bitune / base model",
@@ -330,11 +356,14 @@ def bench_serve(args) -> dict:
              "bitune_ttft_vs_pretrained": "Bitune / base model, time to first token (p50)",
              "bitune_decode_vs_pretrained": "Bitune / base model, each stream's tokens/s after its first token",
              "bitune_unmerged_vs_pretrained": "Bitune unmerged (--no-merge) / base model",
-             "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model"}
+             "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model",
+             "pretrained_vs_transformers_cpu": "base model / transformers serve, by CPU time per generated token",
+             "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token"}
     for key, value in ratios.items():
         if value is None:
             continue
-        what = "" if key in AT_MOST or key == "bitune_decode_vs_pretrained" else " generated tokens/s"
+        what = "" if key in AT_MOST or key == "bitune_decode_vs_pretrained" or key.endswith("_cpu") else \
+            " generated tokens/s"
         if key not in TARGETS:
             console.print(f"{names[key]}: {value:.2f}x{what}")
             continue
