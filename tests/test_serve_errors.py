@@ -162,6 +162,9 @@ def test_the_cli_warns_before_loading_and_refuses_bad_flags(tmp_path, capsys):
     assert "without an API key" in err and "not a Bitune checkpoint" in err
     assert main(["serve", "--checkpoint", str(tmp_path), "--max-batch-size", "0"]) == 2
     assert "--max-batch-size 0" in capsys.readouterr().err
+    for wait, message in (("-1", "--batch-wait-ms -1.0: must be >= 0"), ("nan", "--batch-wait-ms nan: must be a finite")):
+        assert main(["serve", "--checkpoint", str(tmp_path), "--batch-wait-ms", wait]) == 2
+        assert message in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

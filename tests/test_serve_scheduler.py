@@ -105,3 +105,48 @@ def test_queue_is_bounded():
     scheduler.submit(Job(PROMPTS[1], 2))
     with pytest.raises(QueueFull, match="max-queue 2"):
         scheduler.submit(Job(PROMPTS[2], 2))
+
+
+def _prefill_sizes(model) -> list[int]:
+    """Record the rows of every prompt batch the scheduler reads."""
+    sizes, prefill = [], model.prefill
+    model.prefill = lambda ids, mask, *a, **k: sizes.append(ids.shape[0]) or prefill(ids, mask, *a, **k)
+    return sizes
+
+
+def test_a_burst_of_requests_at_an_idle_scheduler_is_read_in_one_batch():
+    model = scheduler_model("llama")
+    sizes = _prefill_sizes(model)
+    jobs = [Job(p, 3) for p in PROMPTS[:4]]
+    events, done = _listen(jobs)
+    scheduler = Scheduler(model, IdTokenizer(), batch_wait=1.0)  # each request within 1 s of the one before
+    scheduler.start()
+    try:
+        for job in jobs:  # the first one finds the scheduler idle; the others follow it 20 ms apart
+            scheduler.submit(job)
+            threading.Event().wait(0.02)
+        for d in done:
+            assert d.wait(WAIT), "a job never ended"
+    finally:
+        scheduler.stop()
+    assert sizes == [4]
+    for job in jobs:
+        assert job.tokens == greedy_tokens(model, job.prompt, [], 3)
+
+
+def test_the_burst_wait_ends_when_a_batch_is_full_and_at_stop():
+    model = scheduler_model("llama")
+    sizes = _prefill_sizes(model)
+    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=2, batch_wait=30.0)
+    scheduler.start()
+    try:
+        jobs = [Job(p, 2) for p in PROMPTS[:2]]
+        assert all(events[-1].kind == "end" for events in _run(scheduler, jobs))  # long before 30 s: batch full
+        assert sizes == [2]
+        late = Job(PROMPTS[2], 2)
+        events, done = _listen([late])
+        scheduler.submit(late)  # alone: the scheduler would wait up to 30 s for another
+    finally:
+        scheduler.stop(timeout=WAIT)
+    assert done[0].wait(WAIT) and events[0][-1].kind == "error" and "shut down" in events[0][-1].text
+    assert sizes == [2]  # stopping ended the wait; the lone prompt was never read

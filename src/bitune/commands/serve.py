@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import signal
 import socket
@@ -43,6 +44,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="requests waiting for a batch slot at most; more are answered 503")
+    parser.add_argument("--batch-wait-ms", type=float, default=20,
+                        help="an idle server reads a burst of requests together: it waits while they keep coming, "
+                             "each within this many ms of the one before (at most 10x this in all); 0: read each "
+                             "first request at once")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     parser.add_argument("--drain-seconds", type=int, default=5,
                         help="on SIGTERM/Ctrl-C, time answers under way get to finish")
@@ -87,9 +92,11 @@ def check_address(host: str, port: int) -> None:
 def run(args: argparse.Namespace) -> int:
     for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
                              ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
-                             ("--drain-seconds", args.drain_seconds, 0)):
+                             ("--drain-seconds", args.drain_seconds, 0), ("--batch-wait-ms", args.batch_wait_ms, 0)):
         if value < low:
             raise BituneError(f"{flag} {value}: must be >= {low}")
+    if not math.isfinite(args.batch_wait_ms):
+        raise BituneError(f"--batch-wait-ms {args.batch_wait_ms}: must be a finite number of milliseconds")
     if args.port > 65535:
         raise BituneError(f"--port {args.port}: must be <= 65535")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -118,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "
           f"{template} template ({why})", file=sys.stderr)
     served = Served(model, tokenizer, name, template)
-    app = create_app(served, Scheduler(model, tokenizer, args.max_batch_size, args.max_queue), key,
-                     args.max_body_bytes)
+    scheduler = Scheduler(model, tokenizer, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000)
+    app = create_app(served, scheduler, key, args.max_body_bytes)
     # uvicorn turns SIGTERM into a graceful shutdown, then raises the signal again for the handler it found: a
     # no-op one lets a drained server exit 0, as after any finished command.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -2,7 +2,11 @@
 
 Between two decoding steps the scheduler admits waiting requests: their prompts are read together (one
 :meth:`~bitune.model.BituneModel.prefill` over the left-padded batch: both prompt passes, mixed) and their rows
-join the running batch (:meth:`~bitune.passes.Prefill.concat`). Each step
+join the running batch (:meth:`~bitune.passes.Prefill.concat`). An idle scheduler that gets a request first
+collects the requests that follow it closely (a burst of clients: each arrives within ``batch_wait`` of the one
+before, for at most ``10 * batch_wait``), so that a burst's prompts are read in one batch: otherwise the first
+request's prompt pass holds the model while the rest arrive, and they wait for it and then for their own pass.
+Each step
 (:meth:`~bitune.model.BituneModel.decode_step`, the causal weights on the mixed cache, as ``generate`` decodes)
 picks every row's next token with that row's own sampling settings and generator. A row leaves the batch
 (:meth:`~bitune.passes.Prefill.select`) the step it ends: an end-of-answer token, a stop string, its token
@@ -18,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -145,13 +150,15 @@ class Scheduler:
         tokenizer: its tokenizer.
         max_batch_size: rows decoded together at most.
         max_queue: jobs waiting for a row at most; :meth:`submit` refuses more.
+        batch_wait: seconds an idle scheduler waits for the next request of a burst before it reads the prompts
+            it has (0: read the first one at once). Default 0.02.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64):
-        if max_batch_size < 1 or max_queue < 0:
-            raise ValueError("max_batch_size must be >= 1 and max_queue >= 0")
+    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64, batch_wait: float = 0.02):
+        if max_batch_size < 1 or max_queue < 0 or not batch_wait >= 0:
+            raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and batch_wait >= 0")
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.max_batch_size, self.max_queue, self.batch_wait = max_batch_size, max_queue, batch_wait
         self.device = next(model.parameters()).device
         self.pad = pad_id(tokenizer)
         self._waiting: collections.deque[Job] = collections.deque()
@@ -214,6 +221,8 @@ class Scheduler:
                     with self._cond:
                         while not (self._waiting or self._rows or self._closing):
                             self._cond.wait()
+                        if not self._rows:
+                            self._collect_burst()
                         if self._closing:
                             break
                         admit = []
@@ -243,6 +252,18 @@ class Scheduler:
             for job in left:
                 _emit(job, Event("error", message))
             self._rows, self._state = [], None
+
+    def _collect_burst(self) -> None:
+        """With the lock held and no running rows: wait while requests keep arriving, each within
+        ``batch_wait`` of the one before, for at most ``10 * batch_wait`` in all or until a batch is full."""
+        deadline = time.monotonic() + 10 * self.batch_wait
+        while not self._closing and len(self._waiting) < self.max_batch_size:
+            n, left = len(self._waiting), deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(min(self.batch_wait, left))
+            if len(self._waiting) == n:  # none came within batch_wait (or only a stop)
+                return
 
     def _admit(self, jobs: list[Job]) -> None:
         """Read the new prompts together and join their rows to the running batch."""
