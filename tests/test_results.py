@@ -40,8 +40,10 @@ def test_study_readme_shows_exactly_the_committed_report(study):
 
 
 README = RESULTS.parent / "README.md"
-README_STUDY = RESULTS / "smollm2-arc-csqa"
-"""The study whose summary the README shows (``bitune report results/smollm2-arc-csqa --embed-summary README.md``)."""
+README_STUDY = RESULTS / "smollm2-csqa-piqa-siqa"
+"""The study whose summary the README shows (``bitune report results/smollm2-csqa-piqa-siqa --output
+results/smollm2-csqa-piqa-siqa --embed-summary README.md``; ``scripts/study_autocommit.sh`` regenerates it with
+each finished run)."""
 
 
 def test_readme_summary_reproduces_from_its_study():
@@ -89,3 +91,49 @@ def test_study_part3_runs_come_from_the_pinned_commit_and_share_batches():
             else:
                 expected = reference[:len(batches)] + batches[len(reference):]  # a longer run continues it
             assert batches == expected, f"{task}/{method}-{seed} drew other batches than {task}/lora-{seed}"
+
+
+AGREEMENT = Path(__file__).resolve().parents[1] / "scripts" / "study_agreement.py"
+
+
+def _agreement(*args: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(AGREEMENT), *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_agreement_counts_questions_answered_differently(tmp_path):
+    """scripts/study_agreement.py compares the highest-scoring choices question by question, wrong answers too."""
+    def run(name, answers):
+        (tmp_path / name).mkdir()
+        loglik = [[0.0 if i == a else -1.0 for i in range(3)] for a in answers]
+        record = {"samples": {"t": {"doc_id": list(range(len(answers))), "loglik": loglik}}}
+        (tmp_path / name / "eval.json").write_text(json.dumps(record))
+
+    run("a-1", [0, 1, 2, 0]), run("b-1", [0, 2, 1, 0]), run("a-2", [1, 1, 2, 0]), run("b-2", [1, 1, 2, 0])
+    out = _agreement(str(tmp_path), "a", "b", "--seeds", "1", "2")
+    assert "seed 1: a and b answer 2 of 4 questions differently" in out
+    assert "seed 2: a and b answer 0 of 4 questions differently" in out
+    assert "a seeds 1 and 2 answer 1 differently" in out
+
+
+def test_part3_reading_cites_the_agreement_the_runs_show():
+    """The reading's claim that LoRA r16 is in effect LoRA r8 rests on counts computed from the committed runs."""
+    folder = PART3 / "csqa"
+    if not all((folder / f"{m}-{s}" / "eval.json").is_file() for m in ("lora", "lora16") for s in (42, 43, 44)):
+        pytest.skip("CSQA's lora and lora16 runs are not all in")
+    out = _agreement(str(folder), "lora", "lora16")
+    counts = [line.split(" answer ")[1].split(" of ")[0] for line in out.splitlines() if line.startswith("seed")]
+    scale = out.splitlines()[-1].split(" answer ")[1].split()[0]
+    reading = " ".join((PART3 / "README.md").read_text(encoding="utf-8").split())  # line breaks as spaces
+    assert f"on only {counts[0]}, {counts[1]} and {counts[2]} of the 1221 questions" in reading
+    assert f"against {scale} between LoRA r8's seeds 42 and 43" in reading
+    training = next(line for line in out.splitlines() if line.startswith("training"))
+    loss, median = training.split("at most ")[1].split(" (median ")[0], training.split("(median ")[1].split(")")[0]
+    ratios, ratio_median = training.split("lora's ")[1].split(" (median ")[0], training.split("(median ")[2].rstrip(")")
+    assert f"differ by at most {loss} (median {median})" in reading
+    low, high = ratios.split("-")
+    assert f"gradient norm is {low}-{high}x r8's (median {ratio_median}" in reading
