@@ -49,6 +49,24 @@ def differ(a: dict[int, int], b: dict[int, int]) -> int:
     return sum(a[d] != b[d] for d in a)
 
 
+def compare(folder: Path, a: str, b: str, seeds: list[int]) -> dict:
+    """The counts and training statistics that :func:`main` prints, each run read once."""
+    runs = {(m, s): answers(folder / f"{m}-{s}") for m in (a, b) for s in seeds}
+    out = {"differ": {s: differ(runs[a, s], runs[b, s]) for s in seeds}, "n": len(runs[a, seeds[0]])}
+    if len(seeds) >= 2:
+        out["scale"] = differ(runs[a, seeds[0]], runs[a, seeds[1]])
+    losses, norms = [], []
+    for seed in seeds:
+        la, lb = logged(folder / f"{a}-{seed}"), logged(folder / f"{b}-{seed}")
+        for step in la.keys() & lb.keys():
+            losses.append(abs(lb[step][0] - la[step][0]))
+            norms.append(lb[step][1] / la[step][1])
+    if losses:
+        out["training"] = {"steps": len(losses), "loss_max": max(losses), "loss_median": statistics.median(losses),
+                           "norm_min": min(norms), "norm_max": max(norms), "norm_median": statistics.median(norms)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a task folder of a study (holding <method>-<seed>/eval.json)")
@@ -56,23 +74,16 @@ def main() -> None:
     parser.add_argument("b", help="the other method's label")
     parser.add_argument("--seeds", nargs="+", type=int, default=[42, 43, 44])
     args = parser.parse_args()
-    for seed in args.seeds:
-        a, b = (answers(args.folder / f"{m}-{seed}") for m in (args.a, args.b))
-        print(f"seed {seed}: {args.a} and {args.b} answer {differ(a, b)} of {len(a)} questions differently")
-    losses, norms = [], []
-    for seed in args.seeds:
-        a, b = (logged(args.folder / f"{m}-{seed}") for m in (args.a, args.b))
-        for step in a.keys() & b.keys():
-            losses.append(abs(b[step][0] - a[step][0]))
-            norms.append(b[step][1] / a[step][1])
-    if losses:
-        print(f"training, {len(losses)} steps logged by both: |loss difference| at most {max(losses):.3f} "
-              f"(median {statistics.median(losses):.3f}); {args.b}'s gradient norm / {args.a}'s "
-              f"{min(norms):.2f}-{max(norms):.2f} (median {statistics.median(norms):.2f})")
-    if len(args.seeds) >= 2:
+    c = compare(args.folder, args.a, args.b, args.seeds)
+    for seed, k in c["differ"].items():
+        print(f"seed {seed}: {args.a} and {args.b} answer {k} of {c['n']} questions differently")
+    if tr := c.get("training"):
+        print(f"training, {tr['steps']} steps logged by both: |loss difference| at most {tr['loss_max']:.3f} "
+              f"(median {tr['loss_median']:.3f}); {args.b}'s gradient norm / {args.a}'s "
+              f"{tr['norm_min']:.2f}-{tr['norm_max']:.2f} (median {tr['norm_median']:.2f})")
+    if "scale" in c:
         s, t = args.seeds[:2]
-        print(f"for scale: {args.a} seeds {s} and {t} answer "
-              f"{differ(answers(args.folder / f'{args.a}-{s}'), answers(args.folder / f'{args.a}-{t}'))} differently")
+        print(f"for scale: {args.a} seeds {s} and {t} answer {c['scale']} differently")
 
 
 if __name__ == "__main__":
