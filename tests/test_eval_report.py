@@ -279,11 +279,32 @@ def test_embed_summary_shows_accuracies_trivial_baselines_and_bitune_differences
     assert row.split(" | ")[4] == "100.0 [100.0, 100.0] |" and text.count("(below)") == 2  # the legend + LoRA
     row = next(line for line in text.splitlines() if line.startswith("| ARC-C | +50.0 ["))
     assert "Holm p" in row  # bitune minus lora: +50 points on the same 20 questions
+    assert row.endswith("(1 seed pair) |")  # one run per method: the interval does not cover training seeds
     assert "[../r/report.md](../r/report.md)" in text
     bare = tmp_path / "bare.md"
     bare.write_text("no markers\n")
     assert main(["report", str(runs), "--embed-summary", str(bare)]) == 2
     assert "summary: begin" in capsys.readouterr().err and bare.read_text() == "no markers\n"
+
+
+def test_embed_summary_marks_only_comparisons_that_rest_on_one_seed_pair(tmp_path):
+    """A study that fills run by run: a task where each method has one seed is marked (its interval covers
+    questions, not training seeds), a task with two seed pairs is not, and their pooled cell names the one-seed
+    task."""
+    from bitune.eval.report import SUMMARY_BEGIN, SUMMARY_END
+
+    runs = tmp_path / "r"
+    write_runs(runs / "csqa", [paired_record(m, s, c, task="csqa") for s in (42, 43)
+                               for m, c in [("lora", [1, 0] * 10), ("bitune", [1, 1] * 10)]])
+    write_runs(runs / "arc_easy", [paired_record(m, 42, c, task="arc_easy")
+                                   for m, c in [("lora", [0, 1] * 10), ("bitune", [1, 1] * 10)]])
+    doc = tmp_path / "README.md"
+    doc.write_text(f"{SUMMARY_BEGIN}\n{SUMMARY_END}\n")
+    assert main(["report", str(runs), "--embed-summary", str(doc), "--no-figure"]) == 0
+    rows = {line.split(" | ")[0]: line for line in doc.read_text().splitlines() if "Holm p" in line}
+    assert rows["| ARC-E"].endswith("(1 seed pair) |")
+    assert "seed pair" not in rows["| CSQA"]
+    assert rows["| pooled: ARC-E + CSQA"].endswith("(1 seed pair on ARC-E) |")
 
 
 def test_runs_trained_per_task_count_once_per_seed_and_average_over_tasks():

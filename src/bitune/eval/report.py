@@ -808,16 +808,22 @@ def build_summary(a: Analysis, metric: str = "acc", gsm8k_metric: str = "exact_m
         versus = [b for b in sorted({c.baseline for c, _ in mine}, key=method_key)]
         table: dict[str, dict[str, str]] = {}
         for c, p in mine:
+            tasks = c.parts if isinstance(c, Pooled) else [c]
             if isinstance(c, Pooled):
-                where, ci = "pooled: " + " + ".join(TASK_TITLES.get(x.task, x.task) for x in c.parts), \
-                    pooled_two_level_bootstrap([x.pair_differences for x in c.parts])
+                where, ci = "pooled: " + " + ".join(TASK_TITLES.get(x.task, x.task) for x in tasks), \
+                    pooled_two_level_bootstrap([x.pair_differences for x in tasks])
             else:
                 where, ci = TASK_TITLES.get(c.task, c.task), two_level_bootstrap(c.pair_differences)
-            table.setdefault(where, {})[c.baseline] = f"{_points(ci)}, Holm p {p:.2g}"
+            single = [TASK_TITLES.get(x.task, x.task) for x in tasks if len(x.pairs) == 1]
+            mark = ""
+            if single:  # one training run per method there: the interval does not cover training seeds
+                mark = f" (1 seed pair on {', '.join(single)})" if isinstance(c, Pooled) else " (1 seed pair)"
+            table.setdefault(where, {})[c.baseline] = f"{_points(ci)}, Holm p {p:.2g}{mark}"
         parts += ["\n# Bitune minus each baseline (points)\n",
                   "Per question, paired on the same questions and seeds; 95% two-level interval (seed pairs, then "
                   f"questions); Holm p over all {len(a.adjusted)} comparisons of the full report (resolved at 5% "
-                  "below 0.05).\n",
+                  "below 0.05). (1 seed pair): one training run per method, so the interval covers other questions "
+                  "but not other training seeds; read it as provisional.\n",
                   markdown_table(["", *(f"vs {b}" for b in versus)],
                                  [[w, *(cells.get(b, "") for b in versus)] for w, cells in table.items()])]
     if source:
