@@ -359,10 +359,26 @@ class Comparison:
             self._p = sign_flip_test(self.diff)
         return self._p
 
+    @property
+    def interval(self):
+        """The two-level bootstrap interval (seed pairs, then questions) of the difference, computed once."""
+        if not hasattr(self, "_interval"):
+            self._interval = two_level_bootstrap(self.pair_differences)
+        return self._interval
+
+    @property
+    def parts(self) -> list[Comparison]:
+        """The per-task comparisons this one is made of: itself (as :attr:`Pooled.parts`)."""
+        return [self]
+
+    @property
+    def where(self) -> str:
+        return TASK_TITLES.get(self.task, self.task)
+
     def row(self) -> list[str]:
         """task, n, method, baseline, seed pairs, Δ with its question-level and two-level intervals, sign-flip p,
         per seed: Δ, discordant counts and McNemar p; the t-test over seeds."""
-        ci, two_level = bootstrap_mean(self.diff), two_level_bootstrap(self.pair_differences)
+        ci, two_level = bootstrap_mean(self.diff), self.interval
         per_seed, tests = [], []
         for seed, a, b in self.pairs:
             only_a, only_b, p = mcnemar_exact(a, b)
@@ -419,10 +435,21 @@ class Pooled:
             self._p = pooled_sign_flip_test([c.diff for c in self.parts])
         return self._p
 
+    @property
+    def interval(self):
+        """The two-level bootstrap interval of the task-averaged difference, computed once."""
+        if not hasattr(self, "_interval"):
+            self._interval = pooled_two_level_bootstrap([c.pair_differences for c in self.parts])
+        return self._interval
+
+    @property
+    def where(self) -> str:
+        return "pooled: " + " + ".join(c.where for c in self.parts)
+
     def row(self) -> list[str]:
         """tasks, method, baseline, seed pairs per task, the task-averaged Δ with the per-task Δs, its two-level
         interval, the sign-flip p."""
-        ci = pooled_two_level_bootstrap([c.pair_differences for c in self.parts])
+        ci = self.interval
         each = "; ".join(f"{TASK_TITLES.get(c.task, c.task)} {100 * c.diff.mean():+.1f}" for c in self.parts)
         return [" + ".join(TASK_TITLES.get(c.task, c.task) for c in self.parts), self.method, self.baseline,
                 "/".join(str(len(c.pairs)) for c in self.parts), f"{100 * ci.value:+.1f}", each, _points(ci),
@@ -808,17 +835,11 @@ def build_summary(a: Analysis, metric: str = "acc", gsm8k_metric: str = "exact_m
         versus = [b for b in sorted({c.baseline for c, _ in mine}, key=method_key)]
         table: dict[str, dict[str, str]] = {}
         for c, p in mine:
-            tasks = c.parts if isinstance(c, Pooled) else [c]
-            if isinstance(c, Pooled):
-                where, ci = "pooled: " + " + ".join(TASK_TITLES.get(x.task, x.task) for x in tasks), \
-                    pooled_two_level_bootstrap([x.pair_differences for x in tasks])
-            else:
-                where, ci = TASK_TITLES.get(c.task, c.task), two_level_bootstrap(c.pair_differences)
-            single = [TASK_TITLES.get(x.task, x.task) for x in tasks if len(x.pairs) == 1]
+            single = [x.where for x in c.parts if len(x.pairs) == 1]
             mark = ""
             if single:  # one training run per method there: the interval does not cover training seeds
                 mark = f" (1 seed pair on {', '.join(single)})" if isinstance(c, Pooled) else " (1 seed pair)"
-            table.setdefault(where, {})[c.baseline] = f"{_points(ci)}, Holm p {p:.2g}{mark}"
+            table.setdefault(c.where, {})[c.baseline] = f"{_points(c.interval)}, Holm p {p:.2g}{mark}"
         parts += ["\n# Bitune minus each baseline (points)\n",
                   "Per question, paired on the same questions and seeds; 95% two-level interval (seed pairs, then "
                   f"questions); Holm p over all {len(a.adjusted)} comparisons of the full report (resolved at 5% "
