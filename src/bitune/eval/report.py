@@ -385,7 +385,7 @@ class Comparison:
             per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
             tests.append(f"{only_a}/{only_b}, p={p:.3g}")
         t_p = seed_t_test([a.mean() - b.mean() for _, a, b in self.pairs])
-        return [TASK_TITLES.get(self.task, self.task), str(self.n), self.method, self.baseline, str(len(self.pairs)),
+        return [self.where, str(self.n), self.method, self.baseline, str(len(self.pairs)),
                 _points(ci), _points(two_level), f"{self.p:.3g}", "; ".join(per_seed), "; ".join(tests),
                 "-" if t_p is None else f"{t_p:.3g}"]
 
@@ -450,8 +450,8 @@ class Pooled:
         """tasks, method, baseline, seed pairs per task, the task-averaged Δ with the per-task Δs, its two-level
         interval, the sign-flip p."""
         ci = self.interval
-        each = "; ".join(f"{TASK_TITLES.get(c.task, c.task)} {100 * c.diff.mean():+.1f}" for c in self.parts)
-        return [" + ".join(TASK_TITLES.get(c.task, c.task) for c in self.parts), self.method, self.baseline,
+        each = "; ".join(f"{c.where} {100 * c.diff.mean():+.1f}" for c in self.parts)
+        return [" + ".join(c.where for c in self.parts), self.method, self.baseline,
                 "/".join(str(len(c.pairs)) for c in self.parts), f"{100 * ci.value:+.1f}", each, _points(ci),
                 f"{self.p:.3g}"]
 
@@ -838,7 +838,7 @@ def build_summary(a: Analysis, metric: str = "acc", gsm8k_metric: str = "exact_m
             single = [x.where for x in c.parts if len(x.pairs) == 1]
             mark = ""
             if single:  # one training run per method there: the interval does not cover training seeds
-                mark = f" (1 seed pair on {', '.join(single)})" if isinstance(c, Pooled) else " (1 seed pair)"
+                mark = f" (1 seed pair on {', '.join(single)})" if len(c.parts) > 1 else " (1 seed pair)"
             table.setdefault(c.where, {})[c.baseline] = f"{_points(c.interval)}, Holm p {p:.2g}{mark}"
         parts += ["\n# Bitune minus each baseline (points)\n",
                   "Per question, paired on the same questions and seeds; 95% two-level interval (seed pairs, then "
