@@ -120,14 +120,15 @@ def test_agreement_counts_questions_answered_differently(tmp_path):
     assert "a seeds 1 and 2 answer 1 differently" in out
 
 
-@pytest.mark.parametrize(("task", "n"), [("csqa", 1221), ("arc_easy", 2376)])
-def test_part3_reading_cites_the_agreement_the_runs_show(task, n):
+@pytest.mark.parametrize("task", ["csqa", "arc_easy"])
+def test_part3_reading_cites_the_agreement_the_runs_show(task):
     """The reading's claim that LoRA r16 is in effect LoRA r8 rests on counts computed from the committed runs."""
     folder = PART3 / task
     if not all((folder / f"{m}-{s}" / "eval.json").is_file() for m in ("lora", "lora16") for s in (42, 43, 44)):
         pytest.skip(f"{task}'s lora and lora16 runs are not all in")
     out = _agreement(str(folder), "lora", "lora16")
-    counts = [line.split(" answer ")[1].split(" of ")[0] for line in out.splitlines() if line.startswith("seed")]
+    seeds = [line.split(" answer ")[1] for line in out.splitlines() if line.startswith("seed")]
+    counts, n = [s.split(" of ")[0] for s in seeds], seeds[0].split(" of ")[1].split()[0]
     scale = out.splitlines()[-1].split(" answer ")[1].split()[0]
     reading = " ".join((PART3 / "README.md").read_text(encoding="utf-8").split())  # line breaks as spaces
     assert f"on only {counts[0]}, {counts[1]} and {counts[2]} of the {n} questions" in reading
