@@ -12,6 +12,7 @@
 #   OUT=results/smollm2-paper CONFIG_DIR=configs/tasks ./scripts/study.sh
 #                                          # the paper's protocol as written (batch 1 x 10, CSQA one epoch; GPU)
 #   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
+#   PART=4 THREADS=1 ./scripts/study.sh         # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
 #
 # Part 3 (results/smollm2-csqa-piqa-siqa): CSQA and (if LoRA learns it; PIQA and SIQA did not) ARC-Easy, each
 # with pretrained, LoRA r8, LoRA r16, LoRA r8
@@ -75,6 +76,88 @@ part3() {
   report "$out"
 }
 
+# Part 4 (results/qwen2.5-arc-easy-csqa; issue "Evidence, part 4"): the paper's protocol on Qwen2.5-Coder-0.5B.
+# Per task (ARC-Easy complete first, then CSQA): (1) the step costs on the task's real lengths (bitune bench data,
+# 3 rounds) set lora_compute's steps; (2) on the tuning split (never the reported one), the pretrained model and
+# LoRA at lr 1e-4, 3e-4, 1e-3, 3e-3 (seed 42): the best lr is used by every method, and LoRA at it must pass the
+# check (above the best trivial baseline and the pretrained model); (3) Bitune at start shares 0.1 and 0.01 on the
+# tuning split (seed 42): the better one is bitune_warm; (4) on the reported split, pretrained, lora, bitune,
+# lora_compute and bitune_warm x seeds 42, 43, 44, seed by seed. Every pick is written to a file in the task's
+# folder (tuning/<task>/lr and bitune_warm.yaml, <task>/lora_compute.yaml) that the next steps read, so a resumed
+# study picks the same. Report the reported-split runs with `bitune report OUT/arc_easy OUT/csqa`.
+part4() {
+  local out=${OUT4:-results/qwen2.5-arc-easy-csqa}
+  pin_tree "$out"
+  local conf="configs/study/part4" py=".venv/bin/python"
+  local tasks=${TASKS4:-arc_easy csqa}
+  for task in $tasks; do
+    local dir="$out/$task" tdir="$out/tuning/$task" steps  # reported-split runs; tuning-split runs and picks
+    mkdir -p "$dir" "$tdir"
+    steps=$(PYTHONPATH= "$py" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['steps'])" "$conf/$task.yaml")
+    if [ ! -f "$out/bench/data_$task.json" ]; then
+      mkdir -p "$out/bench"
+      "$BITUNE" bench data --config "$conf/$task.yaml" --steps 5 --rounds 3 --output "$out/bench/data_$task.json"
+    fi
+    if [ ! -f "$dir/lora_compute.yaml" ]; then
+      "$py" - "$out/bench/data_$task.json" "$steps" "$dir/lora_compute.yaml" <<'PY'
+import json, sys
+ratio, steps = json.load(open(sys.argv[1]))["time_ratio"], int(sys.argv[2])
+open(sys.argv[3], "w").write(
+    f"# LoRA r8 given Bitune's training compute: a Bitune step costs {ratio:.2f}x a LoRA step on this task's real\n"
+    f"# lengths (bench/{sys.argv[1].rsplit('/', 1)[1]}, median of 3 rounds), so LoRA trains round({steps} x {ratio:.2f})"
+    f" steps on the\n# same sequence of batches continued (written by scripts/study.sh PART=4).\n"
+    f"bitune:\n  variant: lora\n  method: lora\n  rank: 8\nsteps: {round(steps * ratio)}\n")
+PY
+    fi
+    local lrs="$conf/lr/lora_lr1e-4.yaml,$conf/lr/lora_lr3e-4.yaml,$conf/lr/lora_lr1e-3.yaml,$conf/lr/lora_lr3e-3.yaml"
+    "$BITUNE" sweep --config "$conf/$task.yaml" --methods "pretrained,$lrs" --seeds 42 --tasks "$task" \
+      --split tuning --output-dir "$tdir"
+    if [ ! -f "$tdir/lr" ]; then
+      local best
+      best=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" lora_lr1e-4 lora_lr3e-4 lora_lr1e-3 lora_lr3e-3)
+      if ! PYTHONPATH= "$py" scripts/study_check.py "$tdir" "$best"; then
+        echo "study part 4: $task failed the check at its best learning rate; no further runs on it" >&2
+        continue
+      fi
+      echo "${best#lora_lr}" > "$tdir/lr"
+    fi
+    local lr
+    lr=$(cat "$tdir/lr")
+    "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" \
+      --methods "$conf/bitune_share0.1.yaml,$conf/bitune_share0.01.yaml" --seeds 42 --tasks "$task" \
+      --split tuning --output-dir "$tdir"
+    if [ ! -f "$tdir/bitune_warm.yaml" ]; then
+      local warm
+      warm=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" bitune_share0.1 bitune_share0.01)
+      { echo "# bitune_warm: Bitune r8 from the start share picked on the tuning split ($warm; scripts/study.sh)."
+        grep -v '^#' "$conf/$warm.yaml"; } > "$tdir/bitune_warm.yaml"
+    fi
+    for seed in $SEEDS; do
+      "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" \
+        --methods "pretrained,lora,bitune,$dir/lora_compute.yaml,$tdir/bitune_warm.yaml" --seeds "$seed" \
+        --tasks "$task" --output-dir "$dir"
+    done
+  done
+  unset PYTHONPATH
+}
+
+# The study's code: a git worktree at the commit in $1/COMMIT, imported ahead of this checkout's (so every method
+# of a study draws the same batches from the same code, whatever this checkout holds now).
+pin_tree() {
+  local pin tree got
+  pin=$(cat "$1/COMMIT")
+  tree=${PIN_TREE:-.study/$pin}
+  if [ ! -d "$tree" ]; then
+    git worktree add --detach "$tree" "$pin"
+  fi
+  export PYTHONPATH="$PWD/$tree/src"
+  got=$(.venv/bin/python -c 'from bitune.provenance import source_commit; print(source_commit())')
+  if [ "$got" != "$pin" ]; then
+    echo "study: bitune imports from commit $got, not the pinned $pin" >&2
+    exit 1
+  fi
+}
+
 report() {
   if [ -f "$1/README.md" ]; then
     "$BITUNE" report "$1" --output "$1" --embed "$1/README.md"
@@ -85,6 +168,10 @@ report() {
 
 if [ "${PART:-all}" = 3 ]; then
   part3
+  exit 0
+fi
+if [ "${PART:-all}" = 4 ]; then
+  part4
   exit 0
 fi
 

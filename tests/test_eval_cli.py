@@ -165,8 +165,9 @@ def test_sweep_restarts_an_interrupted_run_without_deleting_other_files_or_a_run
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"--limit": "3"}, "with --limit 2; this sweep asks for piqa with --limit 3"),
-    ({"--tasks": "arc_easy"}, "evaluation of piqa with --limit 2; this sweep asks for arc_easy"),
+    ({"--limit": "3"}, "with --limit 2; this sweep asks for piqa (validation) with --limit 3"),
+    ({"--tasks": "arc_easy"}, "evaluation of piqa (validation) with --limit 2; this sweep asks for arc_easy (test)"),
+    ({"--split": "tuning"}, "evaluation of piqa (validation) with --limit 2; this sweep asks for piqa (dev)"),
 ])
 def test_sweep_refuses_an_earlier_evaluation_of_other_tasks_or_questions(checkpoint, tmp_path, monkeypatch, capsys,
                                                                           changes, message):

@@ -76,8 +76,11 @@ class BituneConfig:
     """Modules that get adapters: PEFT's ``"all-linear"`` (every linear layer of attention and MLP) or a non-empty
     list of module names."""
     theta_init: float = 0.01
-    """Initial value of every mixing parameter theta, > 0; the mixing ratio a = |theta| / (theta_init + |theta|)
-    starts at 0.5."""
+    """Scale of the mixing parameters theta, > 0: the mixing ratio is a = |theta| / (theta_init + |theta|)."""
+    init_share: float = 0.5
+    """Bidirectional share a of every layer's keys and values at step 0, in (0, 1): 0.5 is the paper's start
+    (theta = theta_init); a smaller share (e.g. 0.1: theta = theta_init * a / (1 - a)) starts the model near its
+    causal self, an extension beyond the paper for short runs."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself; None: not
     recorded (the base must then be given when loading)."""
@@ -95,7 +98,7 @@ class BituneConfig:
             raise ValueError(f"BituneConfig.template={self.template!r} is not one of {list(TEMPLATES)} (or None)")
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"BituneConfig.rank must be a positive integer, got {self.rank!r}")
-        for name in ("lora_alpha", "lora_dropout", "theta_init"):
+        for name in ("lora_alpha", "lora_dropout", "theta_init", "init_share"):
             _check_number(name, getattr(self, name))
         if not self.lora_alpha > 0:
             raise ValueError(f"BituneConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
@@ -103,6 +106,9 @@ class BituneConfig:
             raise ValueError(f"BituneConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if not self.theta_init > 0:
             raise ValueError(f"BituneConfig.theta_init must be > 0, got {self.theta_init!r}")
+        if not 0.0 < self.init_share < 1.0:
+            raise ValueError(f"BituneConfig.init_share must be in (0, 1) (the bidirectional share at step 0; the "
+                             f"paper's 0.5), got {self.init_share!r}")
         if (self.target_modules != "all-linear" if isinstance(self.target_modules, str)
                 else not isinstance(self.target_modules, (list, tuple))
                 or not all(isinstance(m, str) and m for m in self.target_modules)):

@@ -3,7 +3,8 @@
     K = K_causal * (1 - a_k) + K_bidir * a_k,    V = V_causal * (1 - a_v) + V_bidir * a_v,
     a = |theta| / (theta_init + |theta|),
 
-with one theta_k and one theta_v per layer, initialised to theta_init (so a = 0.5 at the start). The mixing
+with one theta_k and one theta_v per layer, initialised to theta_init (so a = 0.5 at the start, the paper's
+choice) or, for another initial share a0, to theta_init * a0 / (1 - a0). The mixing
 always runs in float32, whatever the model dtype, and the result is cast back to the cache dtype.
 """
 
@@ -18,14 +19,18 @@ class Mixer(nn.Module):
 
     Args:
         num_layers: number of transformer blocks L.
-        theta_init: initial value of every theta (default 0.01).
+        theta_init: the scale of theta in a = |theta| / (theta_init + |theta|) (default 0.01).
+        init_share: every a at the start, in (0, 1) (default 0.5: theta = theta_init, the paper's start).
     """
 
-    def __init__(self, num_layers: int, theta_init: float = 0.01):
+    def __init__(self, num_layers: int, theta_init: float = 0.01, init_share: float = 0.5):
         super().__init__()
+        if not 0.0 < init_share < 1.0:
+            raise ValueError(f"init_share must be in (0, 1), got {init_share!r}")
         self.theta_init = theta_init
-        self.theta_k = nn.Parameter(torch.full((num_layers,), theta_init, dtype=torch.float32))  # (L,)
-        self.theta_v = nn.Parameter(torch.full((num_layers,), theta_init, dtype=torch.float32))  # (L,)
+        start = theta_init if init_share == 0.5 else theta_init * init_share / (1.0 - init_share)
+        self.theta_k = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
+        self.theta_v = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
 
     def ratio(self, theta: torch.Tensor) -> torch.Tensor:
         """a = |theta| / (theta_init + |theta|), float32."""

@@ -118,7 +118,7 @@ class BituneModel(nn.Module):
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
-        self.mixer = Mixer(self.num_layers, config.theta_init) if config.mixes else None
+        self.mixer = Mixer(self.num_layers, config.theta_init, config.init_share) if config.mixes else None
         self._probe()
 
     @classmethod

@@ -141,7 +141,7 @@ def _about(config: BituneConfig) -> str:
     modules = config.target_modules if isinstance(config.target_modules, str) else ", ".join(config.target_modules)
     lines.append(f"| target modules | {modules} |")
     if config.mixes:
-        lines.append(f"| theta_init | {config.theta_init:g} (mixing ratio a = 0.5 at the start) |")
+        lines.append(f"| theta_init | {config.theta_init:g} (mixing ratio a = {config.init_share:g} at the start) |")
     lines.append(f"| prompt passes | {' + '.join(f'{mask} ({weights} weights)' for weights, mask in config.passes)} |")
     template = (f"`{config.template}`: {TEMPLATES[config.template]}" if config.template
                 else "not recorded (the CLI uses the tokenizer's chat template if it has one, else `paper`)")

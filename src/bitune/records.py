@@ -6,4 +6,16 @@ RESULT_FILE = "eval.json"
 SCHEMA = "bitune-eval/1"
 """The ``schema`` of a result record."""
 
-__all__ = ["RESULT_FILE", "SCHEMA"]
+
+
+def record_splits(record: dict) -> dict[str, str | None]:
+    """``{task: split}`` of a result record: the splits it was evaluated on (``config.splits``); a record written
+    before splits were recorded holds the reported splits, which is what every evaluation then used."""
+    from .data.datasets import DATASETS
+
+    recorded = (record.get("config") or {}).get("splits") or {}
+    return {task: recorded.get(task) or (DATASETS[task].eval_split if task in DATASETS else None)
+            for task in record["tasks"]}
+
+
+__all__ = ["RESULT_FILE", "SCHEMA", "record_splits"]

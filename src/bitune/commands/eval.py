@@ -32,6 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "user turn of the tokenizer's chat template, the choice right after the generation "
                              "prompt. Default: the template the checkpoint was trained with; paper for a base model "
                              "(--model), as the paper scores the pretrained baseline")
+    parser.add_argument("--split", default=None, metavar="SPLIT",
+                        help="which questions: 'reported' (default: the split the paper reports, e.g. ARC test, "
+                             "CSQA validation), 'tuning' (the split to tune on, never the reported one: ARC "
+                             "validation; CSQA/PIQA/SIQA 'dev', 500 training questions that 'train_no_dev' "
+                             "leaves out) or a split name; recorded in the result")
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions of each task")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -65,7 +70,7 @@ def output_path(args: argparse.Namespace) -> Path | None:
 def eval_argv(args: argparse.Namespace) -> list[str]:
     """The ``bitune eval`` arguments each launched process runs with (everything but ``--num-processes``)."""
     argv = ["eval", "--tasks", args.tasks]
-    for flag in ("checkpoint", "model", "base", "limit", "batch_size", "device", "dtype", "prompt_passes", "seed",
+    for flag in ("checkpoint", "model", "base", "split", "limit", "batch_size", "device", "dtype", "prompt_passes", "seed",
                  "max_new_tokens", "label", "output", "template", "threads"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -94,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                      limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                      seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
-                     template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge)
+                     template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge,
+                     split=args.split)
     if args.checkpoint and out is not None:  # the checkpoint's model card shows the results just written
         from ..modelcard import refresh_evaluation
 

@@ -22,10 +22,10 @@ from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
 from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from ..eval.report import aggregate, load_records, print_report, write_report
-from ..eval.tasks import PREFIX, make_tasks
+from ..eval.tasks import PREFIX, make_tasks, task_split
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
-from ..records import RESULT_FILE
+from ..records import RESULT_FILE, record_splits
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
@@ -119,6 +119,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "over the config (labelled by file name)")
     parser.add_argument("--seeds", default="42,43,44", help="comma-separated training seeds")
     parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu", help="evaluation tasks")
+    parser.add_argument("--split", default=None, metavar="SPLIT",
+                        help="evaluation split: 'reported' (default), 'tuning' (for a learning-rate sweep) or a "
+                             "split name, as for 'bitune eval'")
     parser.add_argument("--limit", type=int, help="evaluate only the first N questions per task")
     parser.add_argument("--batch-size", type=int, default=8, help="evaluation rows per forward pass")
     parser.add_argument("--device", default=None, help="evaluation device (default: cuda if available)")
@@ -127,17 +130,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads_option(parser)
 
 
-def check_done(result: Path, tasks: list[str], limit: int | None) -> bool:
-    """Whether ``result`` (a run's ``eval.json``) exists and holds this sweep's tasks and ``--limit``; one that
-    holds others is an error (a report from it would show other tasks or questions than asked for)."""
+def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
+    """Whether ``result`` (a run's ``eval.json``) exists and holds this sweep's tasks (``{task: split}``) and
+    ``--limit``; one that holds others is an error (a report from it would show other questions than asked for).
+    A record without ``splits`` was made on the reported splits."""
     if not result.is_file():
         return False
     record = load_records([result])[0]
-    done, was = sorted(record["tasks"]), record["config"].get("limit")
-    if done != sorted(tasks) or was != limit:
-        raise BituneError(f"{result} holds an evaluation of {', '.join(done)} with --limit {was}; this sweep asks "
-                          f"for {', '.join(sorted(tasks))} with --limit {limit}. Use another --output-dir, or "
-                          "delete that eval.json to evaluate the run again")
+    done, was = record_splits(record), record["config"].get("limit")
+    if done != splits or was != limit:
+        def say(s: dict[str, str]) -> str:
+            return ", ".join(f"{t} ({s[t]})" for t in sorted(s))
+        raise BituneError(f"{result} holds an evaluation of {say(done)} with --limit {was}; this sweep asks for "
+                          f"{say(splits)} with --limit {limit}. Use another --output-dir, or delete that "
+                          "eval.json to evaluate the run again")
     return True
 
 
@@ -148,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_name(base_model)
     resolve_device(args.device)  # the evaluations' device, checked before the first run trains
     with quiet_lm_eval():
-        tasks = [t.config.task.removeprefix(PREFIX) for t in make_tasks(args.tasks)]
+        splits = {t.config.task.removeprefix(PREFIX): task_split(t) for t in make_tasks(args.tasks, args.split)}
     out = check_output_dir(args.output_dir, "--output-dir")
     results: list[Path] = []
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
@@ -157,12 +163,12 @@ def run(args: argparse.Namespace) -> int:
         run_dir = out / (method.label if seed is None else f"{method.label}-{seed}")
         result = run_dir / RESULT_FILE
         results.append(result)
-        if check_done(result, tasks, args.limit):
+        if check_done(result, splits, args.limit):
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
             continue
         if seed is None:
             evaluate_run(model_name=base_model, tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
-                         device=args.device, label=method.label, output=result)
+                         device=args.device, label=method.label, output=result, split=args.split)
             continue
         final = run_dir / "final"
         if not (final / "bitune_config.json").is_file():
@@ -177,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             # have loaded, and only what a run writes (checkpoints, final/, log, settings), not other files
             train_run(settings, resume=resume, overwrite=restart)
         evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
-                     device=args.device, label=method.label, output=result)
+                     device=args.device, label=method.label, output=result, split=args.split)
     report = aggregate(load_records(results), args.metric)
     print_report(report, f"{args.metric}, mean ± std over seeds {seeds}, %")
     md, cs = write_report(report, out)

@@ -10,6 +10,7 @@ conversations (``messages`` rows, rendered with the model's chat template: :mod:
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,11 @@ from .templates import (
 
 HUB_VALIDATION_SIZE = 1000
 """Hub instruction sets keep their last this-many rows for validation, as the authors' code does."""
+DEV_SIZE = 500
+"""Questions drawn from the training split of a benchmark whose validation split is the reported one (CSQA, PIQA,
+SIQA: their test labels are hidden) to form its ``dev`` split, for tuning; ``train_no_dev`` is the rest."""
+DEV_SEED = 20240522
+"""Seed of the fixed draw of the ``dev`` questions (never a training seed's business: the same for every run)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,9 @@ class DatasetInfo:
     """Splits :func:`load_examples` accepts."""
     eval_split: str | None
     """Split the paper reports results on (None: not an evaluation benchmark)."""
+    dev_split: str | None
+    """Split to tune on (learning rate, steps), never the reported one: ``validation`` where the benchmark has a
+    test split, else ``dev``, drawn from the training questions (train on ``train_no_dev`` then). None: none."""
     offline: tuple[str, ...]
     """Splits available without the Hugging Face hub."""
     description: str
@@ -50,20 +59,23 @@ class DatasetInfo:
 
 _TVT = ("train", "validation", "test")
 _TV = ("train", "validation")
+_TVD = ("train", "validation", "dev", "train_no_dev")
 
 DATASETS: dict[str, DatasetInfo] = {
     d.name: d
     for d in (
-        DatasetInfo("piqa", _TV, "validation", _TV, "PIQA physical commonsense, 2 choices"),
-        DatasetInfo("arc_challenge", _TVT, "test", _TVT, "ARC-Challenge science questions, 3-5 choices"),
-        DatasetInfo("arc_easy", _TVT, "test", _TVT, "ARC-Easy science questions, 3-5 choices"),
-        DatasetInfo("csqa", _TV, "validation", _TV, "CommonsenseQA, 5 choices"),
-        DatasetInfo("siqa", _TV, "validation", _TV, "Social IQa, 3 choices"),
-        DatasetInfo("mmlu", ("test", "validation", "dev"), "test", ("test", "validation", "dev"), "MMLU, 57 subjects"),
-        DatasetInfo("gsm8k", ("train", "test"), "test", ("test",), "GSM8K grade-school math; train needs the hub"),
-        DatasetInfo("alpaca_demo", _TV, None, _TV, "LLaMA-Factory's Alpaca demo, 985 unique rows, last 10% held out"),
-        DatasetInfo("alpaca_cleaned", _TV, None, (), "yahma/alpaca-cleaned from the hub, last 1000 held out"),
-        DatasetInfo("ultrafeedback", _TV, None, (), "UltraFeedback gpt-4 answers (hub), last 1000 held out"),
+        DatasetInfo("piqa", _TVD, "validation", "dev", _TVD, "PIQA physical commonsense, 2 choices"),
+        DatasetInfo("arc_challenge", _TVT, "test", "validation", _TVT, "ARC-Challenge science questions, 3-5 choices"),
+        DatasetInfo("arc_easy", _TVT, "test", "validation", _TVT, "ARC-Easy science questions, 3-5 choices"),
+        DatasetInfo("csqa", _TVD, "validation", "dev", _TVD, "CommonsenseQA, 5 choices"),
+        DatasetInfo("siqa", _TVD, "validation", "dev", _TVD, "Social IQa, 3 choices"),
+        DatasetInfo("mmlu", ("test", "validation", "dev"), "test", "validation", ("test", "validation", "dev"),
+                    "MMLU, 57 subjects"),
+        DatasetInfo("gsm8k", ("train", "test"), "test", None, ("test",), "GSM8K grade-school math; train needs the hub"),
+        DatasetInfo("alpaca_demo", _TV, None, None, _TV,
+                    "LLaMA-Factory's Alpaca demo, 985 unique rows, last 10% held out"),
+        DatasetInfo("alpaca_cleaned", _TV, None, None, (), "yahma/alpaca-cleaned from the hub, last 1000 held out"),
+        DatasetInfo("ultrafeedback", _TV, None, None, (), "UltraFeedback gpt-4 answers (hub), last 1000 held out"),
     )
 }
 
@@ -74,6 +86,45 @@ def _question_from_query(query: str, where: str) -> str:
     if not (query.startswith(head) and query.endswith(tail)):
         raise BituneError(f"{where}: query is not of the form 'Question: ...\\nAnswer:'")
     return query[len(head) : -len(tail)]
+
+
+SPLIT_ROLES = ("reported", "tuning")
+"""Names an evaluation may give instead of a split: ``reported``, the split the paper reports results on, and
+``tuning``, the split to tune on (:func:`resolve_split`)."""
+
+
+def resolve_split(name: str, split: str | None) -> str:
+    """The split of benchmark ``name`` to evaluate on: ``None`` or ``"reported"`` -> the reported split (ARC:
+    test; CSQA, PIQA, SIQA: validation), ``"tuning"`` -> the split to tune on (ARC: validation; CSQA, PIQA,
+    SIQA: ``dev``, drawn from the training questions), any other name checked against the benchmark's splits.
+
+    Raises:
+        BituneError: an unknown split, or a role the benchmark has no split for.
+    """
+    info = DATASETS[name]
+    if split is None or split in SPLIT_ROLES:
+        chosen = info.eval_split if split in (None, "reported") else info.dev_split
+        if chosen is None:
+            raise BituneError(f"dataset {name} has no {split or 'reported'} split")
+        return chosen
+    if split not in info.splits:
+        raise BituneError(f"dataset {name} has no split {split!r}; choose one of {', '.join(SPLIT_ROLES)} or "
+                          f"{', '.join(info.splits)}")
+    return split
+
+
+def _with_dev(load: Callable[[str], list[Example]]) -> Callable[[str], list[Example]]:
+    """A loader with two more splits carved from ``train``: ``dev`` (:data:`DEV_SIZE` questions drawn with
+    :data:`DEV_SEED`, in training order) and ``train_no_dev`` (the rest, in training order)."""
+
+    def loader(split: str) -> list[Example]:
+        if split not in ("dev", "train_no_dev"):
+            return load(split)
+        train = load("train")
+        dev = set(random.Random(DEV_SEED).sample(range(len(train)), DEV_SIZE))
+        return [e for i, e in enumerate(train) if (i in dev) == (split == "dev")]
+
+    return loader
 
 
 def _olmo_choice_task(task: str) -> Callable[[str], list[Example]]:
@@ -168,11 +219,11 @@ def _ultrafeedback(split: str) -> list[Example]:
 
 
 _LOADERS: dict[str, Callable[[str], list[Example]]] = {
-    "piqa": _piqa,
+    "piqa": _with_dev(_piqa),
     "arc_challenge": _olmo_choice_task("arc_challenge"),
     "arc_easy": _olmo_choice_task("arc_easy"),
-    "csqa": _olmo_choice_task("csqa"),
-    "siqa": _siqa,
+    "csqa": _with_dev(_olmo_choice_task("csqa")),
+    "siqa": _with_dev(_siqa),
     "mmlu": _mmlu,
     "gsm8k": _gsm8k,
     "alpaca_demo": _alpaca_demo,

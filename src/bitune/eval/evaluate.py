@@ -33,7 +33,7 @@ from ..processes import world_size
 from ..provenance import source_commit, versions
 from . import RESULT_FILE, SCHEMA
 from .lm import BituneLM
-from .tasks import PREFIX, make_tasks
+from .tasks import PREFIX, make_tasks, task_split
 
 __all__ = ["RESULT_FILE", "SCHEMA", "evaluate", "evaluate_run", "quiet_lm_eval", "task_metrics", "task_samples"]
 
@@ -104,7 +104,8 @@ def task_samples(results: dict) -> dict[str, dict[str, list]]:
 
 
 def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1234,
-             max_new_tokens: int | None = None, template: str = "paper") -> tuple[dict, dict, dict] | None:
+             max_new_tokens: int | None = None, template: str = "paper",
+             split: str | None = None) -> tuple[dict, dict, dict] | None:
     """Run lm-eval on a model instance; returns ``(per-task metrics, timing, per-question samples)`` (None on
     the ranks other than 0 of a multi-process evaluation, where lm-eval gathers everything on rank 0).
 
@@ -116,10 +117,12 @@ def evaluate(lm, tasks: list[str] | str, limit: int | None = None, seed: int = 1
         max_new_tokens: overrides the generative tasks' ``max_gen_toks`` (None: the task's own).
         template: ``"paper"`` (the tasks' prompts as they are) or ``"chat"`` (lm-eval's ``apply_chat_template``:
             each prompt a user turn of the chat template).
+        split: the split of every task: None or ``"reported"`` (the paper's), ``"tuning"`` or a split name
+            (:func:`bitune.data.datasets.resolve_split`).
     """
     start = time.perf_counter()
     with quiet_lm_eval():
-        task_objs = make_tasks(tasks)
+        task_objs = make_tasks(tasks, split)
     loaded = time.perf_counter()
     gen_kwargs = None if max_new_tokens is None else {"max_gen_toks": max_new_tokens}  # None: the task's own
     with quiet_lm_eval():
@@ -188,8 +191,9 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
                  tasks: str = "piqa", limit: int | None = None, batch_size: int = 8, device: str | None = None,
                  dtype: str = "float32", seed: int = 1234, label: str | None = None,
                  max_new_tokens: int | None = None, output: Path | None = None, template: str | None = None,
-                 prompt_passes: str = "auto", merge: bool = True) -> dict | None:
-    """Load a checkpoint (or base model), evaluate it, print the table and write the result JSON to ``output``.
+                 prompt_passes: str = "auto", merge: bool = True, split: str | None = None) -> dict | None:
+    """Load a checkpoint (or base model), evaluate it on ``split`` of each task (see :func:`evaluate`), print the
+    table and write the result JSON to ``output`` (``config.splits`` records each task's split).
 
     Under a launcher of N processes (``WORLD_SIZE`` > 1) each process scores every N-th question and rank 0
     gathers, prints and writes the whole record; the other ranks return None.
@@ -199,7 +203,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     """
     check_eval_options(limit, batch_size, max_new_tokens, seed, label)
     with quiet_lm_eval():
-        make_tasks(tasks)  # unknown task names fail before the model loads
+        splits = {t.config.task.removeprefix(PREFIX): task_split(t) for t in make_tasks(tasks, split)}
     train_seed = _train_seed(Path(checkpoint)) if checkpoint else None  # a damaged settings.yaml too
     if template not in (None, "paper", "chat"):
         raise BituneError(f"template={template!r} is not one of 'paper', 'chat' (or None: the recorded one)")
@@ -219,7 +223,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
     print(f"bitune eval: {template} template ({why})", file=sys.stderr)
     lm = BituneLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
     load_s = time.perf_counter() - t0
-    evaluated = evaluate(lm, tasks, limit, seed, max_new_tokens, template)
+    evaluated = evaluate(lm, tasks, limit, seed, max_new_tokens, template, split)
     if evaluated is None:  # a process other than rank 0 of a multi-process evaluation
         return None
     metrics, timing, samples = evaluated
@@ -231,7 +235,7 @@ def evaluate_run(checkpoint: str | None = None, model_name: str | None = None, b
         "config": {
             "checkpoint": str(Path(checkpoint).resolve()) if checkpoint else None,
             "model": config.base_model or model_name, "bitune": config.to_dict(),
-            "train_seed": train_seed,
+            "train_seed": train_seed, "splits": splits,
             "eval_seed": seed, "limit": limit, "batch_size": batch_size, "device": device, "template": template,
             "prompt_passes": model.prefill_path(),
             "dtype": dtype, "num_fewshot": 0, "max_new_tokens": max_new_tokens, "processes": lm.world_size,

@@ -45,6 +45,7 @@ from rich.table import Table
 from ..config import VARIANTS
 from ..errors import BituneError
 from ..files import check_input_file, check_named, read_text, write_text_atomic
+from ..records import record_splits
 from ..stats import (
     BOOTSTRAP,
     bootstrap_mean,
@@ -599,7 +600,21 @@ def load_records(files: list[Path]) -> list[dict]:
         if train_s is not None:
             record.setdefault("timing", {})["train_s"] = train_s
         records.append(record)
+    check_splits(records, [str(f) for f in files])
     return records
+
+
+def check_splits(records: list[dict], names: list[str] | None = None) -> dict[str, str | None]:
+    """``{task: split}`` over the records; a task evaluated on two splits (a learning-rate sweep's tuning split
+    beside the reported one) is an error: their scores are not comparable and a report must not pool them."""
+    seen: dict[str, tuple[str | None, str]] = {}
+    for r, name in zip(records, names or [r["label"] for r in records]):
+        for task, split in record_splits(r).items():
+            first = seen.setdefault(task, (split, name))
+            if first[0] != split:
+                raise BituneError(f"task {task}: {first[1]} was evaluated on its {first[0]} split, {name} on "
+                                  f"{split}; report each split's runs apart")
+    return {task: split for task, (split, _) in seen.items()}
 
 
 def _check_samples(f: Path, task: str, table, metrics: dict) -> None:

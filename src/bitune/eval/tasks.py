@@ -1,7 +1,8 @@
 """lm-eval tasks for the paper's benchmarks, read offline through :mod:`bitune.data`.
 
 lm-eval's built-in tasks download from the Hugging Face hub; these read the packaged data instead, with the
-paper's templates (:mod:`bitune.data.templates`) and evaluation splits (``DATASETS[name].eval_split``), zero-shot:
+paper's templates (:mod:`bitune.data.templates`), zero-shot, on the split the paper reports
+(``DATASETS[name].eval_split``) unless another is asked for (``split="tuning"``: the one to tune on):
 
 * ``bitune_piqa``, ``bitune_arc_challenge``, ``bitune_arc_easy``, ``bitune_csqa``, ``bitune_siqa``,
   ``bitune_mmlu``: log-likelihood multiple choice over ``Example.choices``. Those start with a space; the tasks
@@ -94,9 +95,10 @@ def gsm8k_results(doc: dict, results: list[str]) -> dict[str, float]:
             "exact_match_flexible": float(_same_number(extract_flexible(text), doc["target"]))}
 
 
-def _load_docs(benchmark: str, **_) -> dict:
-    """lm-eval ``custom_dataset``: the benchmark's evaluation split as a one-split ``datasets`` dict."""
-    split = bitune_datasets.DATASETS[benchmark].eval_split
+def _load_docs(benchmark: str, split: str | None = None, **_) -> dict:
+    """lm-eval ``custom_dataset``: one split of the benchmark (default: the reported one) as a one-split
+    ``datasets`` dict."""
+    split = bitune_datasets.resolve_split(benchmark, split)
     docs = [{"prompt": e.prompt, "answer": e.answer, "choices": [_unspaced(c, e.id) for c in e.choices or []],
              "gold": e.gold or 0, "id": e.id or str(i), "target": e.target or ""}
             for i, e in enumerate(bitune_datasets.load_examples(benchmark, split))]
@@ -126,11 +128,14 @@ def _answer(doc: dict) -> str:
     return doc["answer"]
 
 
-def task_config(name: str) -> dict:
-    """The lm-eval task config of ``name`` (``piqa`` or ``bitune_piqa``)."""
+def task_config(name: str, split: str | None = None) -> dict:
+    """The lm-eval task config of ``name`` (``piqa`` or ``bitune_piqa``) on one split: the reported one (None or
+    ``"reported"``), the one to tune on (``"tuning"``) or a split name (:func:`bitune.data.datasets.resolve_split`).
+    """
     full = task_name(name)
     benchmark = full.removeprefix(PREFIX)
-    common = dict(task=full, custom_dataset=_load_docs, dataset_kwargs={"benchmark": benchmark},
+    split = bitune_datasets.resolve_split(benchmark, split)
+    common = dict(task=full, custom_dataset=_load_docs, dataset_kwargs={"benchmark": benchmark, "split": split},
                   test_split="test", doc_to_text=_prompt, num_fewshot=0, metadata={"version": 1.0})
     if TASKS[benchmark] == "multiple_choice":
         return dict(common, output_type="multiple_choice", doc_to_choice=_choices, doc_to_target=_gold,
@@ -152,23 +157,28 @@ class BituneTask(ConfigurableTask):
         config = dict(config or {})
         if "task" not in config:
             raise BituneError("BituneTask needs a config with 'task' (e.g. bitune_piqa)")
-        full = task_config(config["task"])
+        full = task_config(config["task"], (config.get("dataset_kwargs") or {}).get("split"))
         full["metadata"] = {**full["metadata"], **(config.get("metadata") or {})}
         super().__init__(config=full)
 
 
-def make_task(name: str) -> BituneTask:
-    """One task object for ``lm_eval.simple_evaluate(tasks=[...])``."""
-    return BituneTask({"task": task_name(name)})
+def make_task(name: str, split: str | None = None) -> BituneTask:
+    """One task object for ``lm_eval.simple_evaluate(tasks=[...])``, on ``split`` (see :func:`task_config`)."""
+    return BituneTask({"task": task_name(name), "dataset_kwargs": {"split": split}})
 
 
-def make_tasks(names: list[str] | str) -> list[BituneTask]:
-    """Task objects for a list or a comma-separated string of names."""
+def make_tasks(names: list[str] | str, split: str | None = None) -> list[BituneTask]:
+    """Task objects for a list or a comma-separated string of names, each on ``split`` (see :func:`task_config`)."""
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
     if not names:
         raise BituneError("no tasks given")
-    return [make_task(n) for n in names]
+    return [make_task(n, split) for n in names]
+
+
+def task_split(task) -> str:
+    """The split a task object built here reads."""
+    return task.config.dataset_kwargs["split"]
 
 
 if __name__ == "__main__":
