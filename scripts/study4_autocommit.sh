@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Commit study part 4's small files as they appear, polling every 60 s, beside `PART=4 ./scripts/study.sh`: each
+# finished run's eval.json, log.jsonl and settings.yaml, the picks the study writes (tuning/<task>/lr,
+# tuning/<task>/bitune_warm.yaml, <task>/lora_compute.yaml), the step-cost benches, and each folder's report
+# regenerated over its finished runs (the tuning split's apart from the reported one's). Weights are never added
+# (.gitignore keeps final/ and checkpoints out). A session that ends loses at most the run in progress.
+cd "$(dirname "$0")/.."
+OUT=${OUT4:-results/qwen2.5-arc-easy-csqa}
+BITUNE=${BITUNE:-.venv/bin/bitune}
+while true; do
+  for f in "$OUT"/*/eval.json "$OUT"/*/*/eval.json "$OUT"/tuning/*/*/eval.json; do
+    [ -f "$f" ] || continue
+    d=$(dirname "$f")
+    files=$(ls "$d"/eval.json "$d"/log.jsonl "$d"/settings.yaml 2>/dev/null)
+    if [ -n "$(git status --porcelain -- $files)" ]; then
+      folder=$(dirname "$d")
+      OMP_NUM_THREADS=1 "$BITUNE" report "$folder" --output "$folder" > /dev/null 2>&1
+      extra=$(ls "$folder"/report.md "$folder"/report.csv "$folder"/report.png "$folder"/lr "$folder"/*.yaml \
+        "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml 2>/dev/null)
+      for i in 1 2 3 4 5; do
+        git add -- $files $extra && git commit -q -m "study part 4: ${d#results/} finished (eval.json, log, settings; report regenerated)" --only -- $files $extra && break
+        sleep 5
+      done
+    fi
+  done
+  for f in "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml; do
+    [ -f "$f" ] || continue
+    if [ -n "$(git status --porcelain -- "$f")" ]; then
+      git add -- "$f" && git commit -q -m "study part 4: ${f#results/} written" --only -- "$f"
+    fi
+  done
+  sleep 60
+done
