@@ -1,6 +1,8 @@
 """Every checkpoint carries a Hugging Face model card (``README.md``): after ``save_pretrained``, in ``bitune train``'s
 ``final/`` and ``checkpoint-N`` and in ``BituneSFTTrainer``'s saves; its metadata parses, its commands run, the
-results of an ``eval.json`` beside it appear with n and the interval, and a user's own README is never touched."""
+results of an ``eval.json`` beside it appear with n and the interval, and a user's own README is never touched.
+The card is fit for the Hub: no absolute local path, no file outside the folder named, ``base_model`` the
+upstream Hub id of a built-in model, a licence; ``push_to_hub`` uploads a card whose commands name the repository."""
 
 from __future__ import annotations
 
@@ -20,11 +22,24 @@ from huggingface_hub import ModelCard
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import VERBS
-from bitune.modelcard import MARKER, find_evaluation, is_ours, render, tags_for, write
+from bitune.export import export_merged
+from bitune.modelcard import (
+    MARKER,
+    UPSTREAM,
+    Training,
+    find_evaluation,
+    hub_base,
+    is_ours,
+    push_to_hub,
+    render,
+    tags_for,
+    write,
+)
 from bitune.stats import bootstrap_mean
 from bitune.train.checkpoints import save_checkpoint as save_training_checkpoint
 from bitune.train.checkpoints import verify_checkpoint
-from bitune.train.trainer import checkpoints, run_training
+from bitune.train.run_folder import checkpoints
+from bitune.train.trainer import run_training
 from helpers.compare import assert_same_weights, trainable
 from helpers.gen import save_checkpoint
 from helpers.models import perturb_adapters, tiny_bitune, tiny_model
@@ -53,18 +68,23 @@ def same_weights(a: BituneModel, b: BituneModel) -> None:
 
 
 # ------------------------------------------------------------------------------------------ save_pretrained
-def test_save_pretrained_writes_a_card_whose_commands_run(tmp_path):
+def test_save_pretrained_writes_a_card_whose_commands_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     ckpt, model = save_checkpoint(tmp_path)
     meta, text = card_of(ckpt)
-    assert meta == {"base_model": str(tmp_path / "base"), "library_name": "bitune",
+    # a local base model is no Hub id: no base_model, and a licence bitune cannot know
+    assert meta == {"library_name": "bitune", "license": "other", "license_name": "base-model-license",
                     "pipeline_tag": "text-generation", "tags": ["bitune", "peft", "lora"]}
     assert MARKER in text and is_ours(ckpt / "README.md")
     assert "| rank | 8 (lora_alpha 1, dropout 0) |" in text
-    # the Python block runs as written, on this checkpoint, and loads the saved weights
+    assert str(tmp_path) not in text and "local model folder `base`" in text  # no absolute local path
+    # the Python block runs as written, on this checkpoint (the local base model filled in, as the card says),
+    # and loads the saved weights
+    assert 'load_bitune(checkpoint="ckpt", base="BASE_MODEL")' in text
     out = io.StringIO()
     scope: dict = {}
     with contextlib.redirect_stdout(out):
-        exec(block(text, "python"), scope)  # noqa: S102 - the card's own example
+        exec(block(text, "python").replace("BASE_MODEL", str(tmp_path / "base")), scope)  # noqa: S102
     same_weights(scope["model"], model)
     assert isinstance(scope["model"], BituneModel) and scope["model"].merged
     # every command line parses with the verb's real options
@@ -74,7 +94,34 @@ def test_save_pretrained_writes_a_card_whose_commands_run(tmp_path):
         parser = argparse.ArgumentParser(prog=f"bitune {argv[1]}", exit_on_error=False)
         importlib.import_module(VERBS[argv[1]][0]).configure(parser)
         args = parser.parse_args(argv[2:])
-        assert Path(args.checkpoint) == ckpt
+        assert Path(args.checkpoint).resolve() == ckpt and args.base == "BASE_MODEL"
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM))
+def test_a_builtin_base_is_named_by_its_upstream_hub_id_with_its_licence(name):
+    meta = ModelCard(render(BituneConfig(base_model=name))).data.to_dict()
+    assert meta["base_model"] == UPSTREAM[name].hub_id and meta["license"] == UPSTREAM[name].license
+    assert UPSTREAM[name].hub_id.count("/") == 1
+    from bitune.hub import BUILTIN_MODELS
+
+    assert set(UPSTREAM) == set(BUILTIN_MODELS)  # every built-in model has its upstream
+
+
+def test_a_card_shows_no_absolute_local_path(tmp_path, monkeypatch):
+    data = tmp_path / "home" / "me" / "my_chats.jsonl"
+    settings = {"dataset": str(data), "output_dir": str(tmp_path / "runs" / "x"), "steps": 4,
+                "model": str(tmp_path / "models" / "mine")}
+    training = Training(settings=settings, datasets=(str(data),), step=4)
+    monkeypatch.chdir(tmp_path)
+    text = render(BituneConfig(base_model=str(tmp_path / "models" / "mine")), tmp_path / "runs" / "x" / "final",
+                  training)
+    assert str(tmp_path) not in text
+    assert yaml.safe_load(block(text, "yaml")) == {"dataset": "my_chats.jsonl", "output_dir": "x", "steps": 4,
+                                                  "model": "mine"}
+    assert '--checkpoint runs/x/final' in text  # relative to where the user works
+    elsewhere = render(BituneConfig(base_model="smollm2-135m"), "/somewhere/else/final")
+    assert "/somewhere" not in elsewhere and "--checkpoint final " in elsewhere
+    assert hub_base("org/model") == "org/model" and hub_base(str(tmp_path)) is None and hub_base(None) is None
 
 
 def test_a_card_names_variant_method_and_rank():
@@ -84,7 +131,7 @@ def test_a_card_names_variant_method_and_rank():
     assert tags_for(BituneConfig(method="full")) == ["bitune", "full-fine-tuning"]
     text = render(BituneConfig(variant="shared_weights", method="dora", rank=4, base_model="smollm2-135m",
                                template="chat"))
-    assert text.startswith("---\nbase_model: smollm2-135m\n")
+    assert text.startswith("---\nbase_model: HuggingFaceTB/SmolLM2-135M-Instruct\n")
     assert "# shared_weights (dora r4) on smollm2-135m" in text and "| rank | 4 " in text
     assert "| prompt template | `chat`:" in text and 'template="chat"' in text
     ia3 = render(BituneConfig(method="ia3", base_model="smollm2-135m"))
@@ -139,7 +186,8 @@ def test_eval_results_appear_with_n_and_interval(tmp_path):
     ci = bootstrap_mean(eval_record(final, True)["samples"]["arc_challenge"]["acc"])
     assert f"| arc_challenge | acc | 62.5 | [{100 * ci.low:.1f}, {100 * ci.high:.1f}] | 8 | bootstrap |" in text
     assert "| piqa | acc | 70.0 | [67.2, 72.8] | 1000 | normal |" in text  # 0.7 +- 1.96 * 0.0145
-    assert "`../eval.json`" in text and "2026-01-02T03:04:05+00:00" in text and "first 8 questions" in text
+    assert "../eval.json" not in text and "the run's `eval.json`, not in this folder" in text  # no dangling link
+    assert "2026-01-02T03:04:05+00:00" in text and "first 8 questions" in text
     # the run folder's eval.json is final/'s: another checkpoint of the run does not show it
     model.save_pretrained(ckpt.parent / "checkpoint-2")
     assert "## Evaluation" not in card_of(ckpt.parent / "checkpoint-2")[1]
@@ -150,7 +198,7 @@ def test_eval_json_inside_the_folder(tmp_path):
     (ckpt / "eval.json").write_text(json.dumps(eval_record(ckpt, samples=False)))
     assert write(ckpt, model.config)  # a card refreshed in place (as TRL's saves write theirs)
     text = card_of(ckpt)[1]
-    assert "| arc_challenge | acc | 62.5 | [29.2, 95.8] | 8 | normal |" in text and "(`eval.json`" in text
+    assert "| arc_challenge | acc | 62.5 | [29.2, 95.8] | 8 | normal |" in text and "this folder's `eval.json`" in text
     model.save_pretrained(ckpt)  # a new checkpoint replaces the folder, the old eval.json with it
     assert not (ckpt / "eval.json").exists() and "## Evaluation" not in card_of(ckpt)[1]
     (tmp_path / "eval.json").write_text("{not json")  # a broken file never stops a save
@@ -168,11 +216,13 @@ def test_bitune_train_writes_cards_in_final_and_checkpoints(tmp_path):
     assert not [p for p in run_dir.iterdir() if p.name.startswith(".")]  # no staging leftovers
     for folder, step in ((run_dir / "checkpoint-2", 2), (run_dir / "checkpoint-4", 4), (run_dir / "final", 4)):
         meta, text = card_of(folder)
-        assert meta["library_name"] == "bitune" and meta["base_model"] == "tiny" and meta["datasets"] == ["tiny"]
+        assert meta["library_name"] == "bitune" and "base_model" not in meta and meta["datasets"] == ["tiny"]
         assert meta["pipeline_tag"] == "text-generation" and meta["tags"] == ["bitune", "peft", "lora"]
         assert f"Trained with `bitune train`, saved at step {step}," in text
-        assert yaml.safe_load(block(text, "yaml")) == settings.to_dict()  # the run's settings.yaml, as is
-        assert f'from_pretrained("{folder}"' in text and ".staging" not in text  # the final path, not the staging
+        # the run's settings.yaml, its absolute paths by their names
+        assert yaml.safe_load(block(text, "yaml")) == {**settings.to_dict(), "output_dir": "run"}
+        assert f'load_bitune(checkpoint="{folder.name}", base="BASE_MODEL")' in text and ".staging" not in text  # the final path's name
+        assert str(tmp_path) not in text
     loaded = BituneModel.from_pretrained(run_dir / "final", base=tiny_model())
     same_weights(loaded, trainer.model)
 
@@ -183,7 +233,7 @@ def test_a_user_readme_in_a_checkpoint_folder_is_kept(tmp_path):
     run_dir = tmp_path / "run"
     for name in ("checkpoint-2", "final"):
         (run_dir / name / "README.md").write_bytes(USER_README)
-    trainer.save_model(run_dir / "final")  # what bitune train saves final/ with
+    trainer.save_weights(run_dir / "final")  # what bitune train saves final/ with
     save_training_checkpoint(run_dir, 2, trainer.model, trainer.optimizer, trainer.scheduler, asdict(trainer.state),
                              trainer.accelerator, None, training=trainer.training_record())  # through the staging
     for name in ("checkpoint-2", "final"):
@@ -205,7 +255,7 @@ def test_trl_saves_write_bitune_cards_and_keep_a_user_readme(tmp_path):
     for folder in (out / "checkpoint-2", tmp_path / "final"):
         meta, text = card_of(folder)
         assert meta["library_name"] == "bitune" and meta["pipeline_tag"] == "text-generation"
-        assert meta["tags"] == ["bitune", "peft", "lora", "trl", "sft"] and meta["base_model"] == "tiny-base"
+        assert meta["tags"] == ["bitune", "peft", "lora", "trl", "sft"] and "base_model" not in meta  # a local name, no Hub id
         assert "Trained with `BituneSFTTrainer (TRL " in text and "saved at step 2" in text
         settings = yaml.safe_load(block(text, "yaml"))
         assert settings["learning_rate"] == 1e-2 and settings["max_steps"] == 2 and settings["processes"] == 1
@@ -230,7 +280,47 @@ def test_trl_save_rewrites_only_its_own_card(tmp_path, readme):
 
 def test_an_export_carries_the_card_of_its_checkpoint(tmp_path):
     _, model = save_checkpoint(tmp_path)
-    model.export_merged(tmp_path / "export")  # built in a temporary folder, renamed into place
+    export_merged(model, tmp_path / "export")  # built in a temporary folder, renamed into place
     meta, text = card_of(tmp_path / "export" / "bitune")
-    assert meta["library_name"] == "bitune" and f'from_pretrained("{tmp_path / "export" / "bitune"}"' in text
+    assert meta["library_name"] == "bitune" and 'load_bitune(checkpoint="bitune", base="BASE_MODEL")' in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "export"]
+
+
+# ------------------------------------------------------------------------------------------ the Hub
+def test_push_to_hub_uploads_a_card_for_the_repository_with_its_eval(tmp_path, monkeypatch):
+    """One commit: the checkpoint's files, the run's eval.json as ``eval.json``, and a card whose commands
+    download the repository (the Hub is not reachable here: the commit is captured)."""
+    from huggingface_hub import HfApi
+
+    ckpt, model = save_checkpoint(tmp_path / "run")
+    final = ckpt.parent / "final"
+    model.save_pretrained(final)
+    (final.parent / "eval.json").write_text(json.dumps(eval_record(final, samples=True)))
+    model.save_pretrained(final)
+    local_card = (final / "README.md").read_bytes()
+    calls = {}
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("repo", (repo_id, kw)))
+
+    def commit(self, repo_id, operations, **kw):
+        calls["files"] = {op.path_in_repo: op.path_or_fileobj for op in operations}
+        return type("Info", (), {"commit_url": f"https://huggingface.co/{repo_id}/commit/0"})()
+
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    url = push_to_hub(final, "me/my-bitune", private=True)
+    assert url.startswith("https://huggingface.co/me/my-bitune") and calls["repo"] == ("me/my-bitune",
+                                                                                     {"private": True,
+                                                                                      "exist_ok": True})
+    files = calls["files"]
+    on_disk = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file()}
+    assert set(files) == on_disk | {"eval.json"}
+    assert Path(files["eval.json"]) == final.parent / "eval.json"
+    card = files["README.md"].decode()
+    assert 'snapshot_download("me/my-bitune")' in card and "hf download me/my-bitune --local-dir" in card
+    assert "this folder's `eval.json`" in card and "| arc_challenge | acc | 62.5 |" in card
+    assert str(tmp_path) not in card and ModelCard(card).data.library_name == "bitune"
+    assert (final / "README.md").read_bytes() == local_card  # the local folder is unchanged
+    with pytest.raises(ValueError, match="not a Hub id"):
+        push_to_hub(final, "not a repo")
+    (final / "README.md").write_bytes(USER_README)  # a user's own card goes up as it is
+    push_to_hub(final, "me/my-bitune")
+    assert calls["files"]["README.md"] == USER_README
