@@ -38,7 +38,7 @@ def _assert_same_loss_logits_grads(fast, seq, tensors):
 @pytest.mark.parametrize("variant", TWO_PASS + ONE_PASS)
 def test_fused_forward_equals_sequential(arch, attn, variant):
     seq, fused = _pair(arch, variant, mode="fused", attn=attn)
-    assert fused.execution() == "fused" and seq.execution() == "sequential"
+    assert fused.forward_path() == "fused" and seq.forward_path() == "sequential"
     tensors = batch(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window (4) < its prompts
     calls = []
     fused.weights.base.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape),
@@ -73,7 +73,6 @@ def test_auto_fuses_training_and_falls_back_where_weights_cannot_be_routed():
     assert (model.forward_path(), model.prefill_path()) == ("batched", "batched")
     model.prompt_passes = "sequential"  # a runtime choice: it can change on a built model
     assert (model.forward_path(), model.prefill_path()) == ("sequential", "sequential")
-    assert (model.execution(), model.execution(answer=False)) == ("sequential", "sequential")  # the older name
     with pytest.raises(ValueError, match="prompt_passes='parallel' is not one of"):
         model.prompt_passes = "parallel"
 

@@ -17,7 +17,8 @@ import torch
 
 from bitune.config import METHODS, VARIANTS
 from bitune.errors import BituneError
-from bitune.train.trainer import LOG_FILE, checkpoints, ddp_kwargs
+from bitune.train.run_folder import LOG_FILE, checkpoints
+from bitune.train.trainer import ddp_kwargs
 from helpers.compare import assert_same_weights, trainable
 from helpers.dist import check, final_weights, torchrun, train_global_batch, train_tiny
 from helpers.models import batch, tiny_bitune, tiny_model
@@ -67,7 +68,7 @@ def test_loss_is_the_example_mean(tmp_path):
     tensors = batch(prompt_lens=(6, 4, 5), answer_lens=(1, 4, 2))
     inputs = dict(zip(("prompt_ids", "prompt_mask", "answer_ids", "answer_mask"), tensors))
     with torch.no_grad():
-        loss = trainer.compute_loss(model, inputs)
+        loss = trainer.batch_loss(model, inputs)
         out = model(*tensors)
     per_example = [model(*(t[i:i + 1] for t in tensors)).loss for i in range(3)]
     torch.testing.assert_close(loss, torch.stack(per_example).mean(), rtol=0, atol=1e-6)

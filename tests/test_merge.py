@@ -8,6 +8,7 @@ import torch
 
 from bitune import BituneConfig, BituneModel
 from bitune.errors import BituneError
+from bitune.export import export_merged
 from bitune.scoring import score_continuations
 from helpers.models import EOS, batch, perturb_adapters, tiny_bitune, tiny_model
 
@@ -196,7 +197,7 @@ def test_export_merged_is_a_plain_transformers_model_that_continues_a_prefill(tm
     ids, mask, _, _ = prompts()
     gen = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, do_sample=False)
     expected = merged.generate(ids, mask, **gen)
-    merged.export_merged(tmp_path / "export")
+    export_merged(merged, tmp_path / "export")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     assert not any("lora" in k or "base_layer" in k for k in plain.state_dict())
     pre = merged.prefill(ids, mask)  # the prefill workers' part: both prompt passes, mixed
@@ -211,7 +212,7 @@ def test_export_merged_is_a_plain_transformers_model_that_continues_a_prefill(tm
 
 def test_export_of_an_unmerged_model_leaves_it_unmerged(tmp_path):
     plain, _ = pair()
-    plain.export_merged(tmp_path / "export")
+    export_merged(plain, tmp_path / "export")
     assert not plain.merged
 
 

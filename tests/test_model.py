@@ -206,7 +206,7 @@ def test_prompt_passes_is_a_runtime_argument_not_saved_state(tmp_path):
     config_file = tmp_path / "ckpt" / "bitune_config.json"
     assert "prompt_passes" not in json.loads(config_file.read_text())
     loaded = BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"), prompt_passes="sequential")
-    assert loaded.prompt_passes == "sequential" and loaded.execution() == "sequential"
+    assert loaded.prompt_passes == "sequential" and loaded.forward_path() == "sequential"
     old = {**json.loads(config_file.read_text()), "prompt_passes": "batched"}  # written before it was an argument
     config_file.write_text(json.dumps(old))
     loaded = BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"))

@@ -19,8 +19,9 @@ from bitune.plot import (
     read_mixing_log,
     token_labels,
 )
+from bitune.train.run_folder import LOG_FILE
 from bitune.train.settings import TrainSettings
-from bitune.train.trainer import LOG_FILE, build_trainer, run_training
+from bitune.train.trainer import build_trainer, run_training
 from helpers.gen import perturbed_bitune, save_checkpoint
 from helpers.models import CONFIGS, EOS, VOCAB
 from helpers.tokenizer import tiny_tokenizer

@@ -1,4 +1,4 @@
-"""Activation checkpointing per decoder layer (``gradient_checkpointing: true``): the prompt caches are kept and
+"""Activation checkpointing per decoder layer (``recompute: true``): the prompt caches are kept and
 nothing is written into them twice, so loss and gradients equal the run without it, on every path (fused,
 batched, sequential), for every method, with sliding-window layers (Gemma 3) too, and activations are
 recomputed (every layer call runs once more in the backward; fewer tensors saved for it). Without autograd
@@ -34,7 +34,7 @@ def loss_and_grads(arch, variant, method, passes, checkpointing):
     """Loss, gradients, numbers saved for the backward, and the layer runs in the forward and in the backward."""
     model = perturb_adapters(tiny_bitune(arch, variant=variant, method=method, prompt_passes=passes)).train()
     if checkpointing:
-        model.enable_checkpointing()
+        model.enable_recompute()
     calls = count_layer_calls(model)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
@@ -75,8 +75,8 @@ def test_without_autograd_the_layers_run_as_without_checkpointing(monkeypatch):
     prompt_ids, prompt_mask, _, _ = batch()
     expected = model.generate(prompt_ids, prompt_mask, max_new_tokens=4)
     plain_calls, calls[0] = calls[0], 0
-    model.enable_checkpointing()
-    assert model.checkpointing
+    model.enable_recompute()
+    assert model.recomputing
     torch.testing.assert_close(model.generate(prompt_ids, prompt_mask, max_new_tokens=4), expected)
     assert calls[0] == plain_calls > 0 and not entered
     with torch.enable_grad():  # the same model with autograd on does go through the checkpoint
@@ -88,7 +88,7 @@ def test_transformers_checkpointing_is_still_refused():
     """transformers' own checkpointing drops the prompt cache: refused, naming the setting that keeps it."""
     model = tiny_bitune().train()
     model.weights.base.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient_checkpointing: true"):
+    with pytest.raises(ValueError, match="recompute: true"):
         model(*batch())
 
 
@@ -96,4 +96,4 @@ def test_model_without_decoder_layers_is_refused():
     model = tiny_bitune()
     model.weights.base._no_split_modules = None  # the model names no decoder layer class
     with pytest.raises(BituneError, match="no list of 2 decoder layers"):
-        model.enable_checkpointing()
+        model.enable_recompute()

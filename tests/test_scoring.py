@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
 from bitune import BituneConfig, BituneModel
-from bitune.model import token_logprobs
+from bitune.outputs import token_logprobs
 from bitune.passes import Prefill
 from bitune.scoring import pack, score_continuations
 from helpers.models import COMMON, VOCAB, perturb_adapters, tiny_model

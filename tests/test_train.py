@@ -12,7 +12,8 @@ import yaml
 from bitune import BituneModel
 from bitune.data import sampling
 from bitune.errors import BituneError
-from bitune.train.trainer import LOG_FILE, checkpoints, run_training
+from bitune.train.run_folder import LOG_FILE, checkpoints
+from bitune.train.trainer import run_training
 from helpers.compare import assert_same_weights, trainable
 from helpers.data import samples
 from helpers.dist import Interrupt
@@ -54,7 +55,7 @@ def test_lora_log_has_no_ratios(tmp_path):
 
 def test_optimizer_covers_exactly_the_trainable_parameters(tmp_path):
     trainer, _ = make_trainer(tmp_path)
-    trainer.create_optimizer()
+    trainer.make_optimizer()
     in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for p in trainer.model.trainable_parameters().values()}
     assert {g["weight_decay"] for g in trainer.optimizer.param_groups} == {0.0}
@@ -154,7 +155,7 @@ def test_resume_may_change_prompt_passes_also_in_a_run_that_saved_it(tmp_path):
     config = run_dir / "checkpoint-2" / "bitune_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "prompt_passes": "fused"}))
     second, settings = make_trainer(tmp_path, steps=4, save_every=2, prompt_passes="sequential")
-    assert second.model.execution() == "sequential"
+    assert second.model.forward_path() == "sequential"
     run_training(second, settings, resume=True)
     assert "prompt_passes" not in json.loads((run_dir / "final" / "bitune_config.json").read_text())
 
@@ -194,7 +195,7 @@ def golden_sums(tmp_path: Path, batch_size: int, grad_accum: int, steps: int, ca
     trainer, settings = make_trainer(tmp_path, data=samples(8), batch_size=batch_size, grad_accum=grad_accum,
                                      steps=steps, **overrides)
     for cb in callbacks:
-        trainer.add_callback(cb(trainer) if isinstance(cb, type) else cb)
+        trainer.add_step_hook(cb(trainer) if isinstance(cb, type) else cb)
     run_training(trainer, settings)
     flat = torch.cat([v.flatten().double() for _, v in sorted(trainable(trainer.model).items())])  # (13060,)
     return float(flat.sum()), float(flat.abs().sum()), float((flat ** 2).sum())
@@ -215,8 +216,8 @@ class _SkipLastStep:
     def __init__(self, trainer):
         self.trainer = trainer
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == args.steps - 1:
+    def __call__(self, step, model):
+        if step == self.trainer.settings.steps - 1:
             self.trainer.optimizer.step = lambda *a, **k: None
 
 

@@ -12,7 +12,8 @@ import torch
 
 from bitune.data.sampling import LengthGroupedSampler, grouped_order, padding_share
 from bitune.errors import BituneError
-from bitune.train.trainer import checkpoints, run_training
+from bitune.train.run_folder import checkpoints
+from bitune.train.trainer import run_training
 from helpers.compare import assert_same_weights, trainable
 from helpers.data import samples, varied_lengths
 from helpers.dist import Interrupt
@@ -110,9 +111,9 @@ def test_group_norms_are_logged_and_clip_all_scales_everything(tmp_path):
 def _clip_once(tmp_path, clip: str) -> tuple[dict, dict]:
     """Gradients of one backward, before and after the trainer's clipping."""
     trainer, settings = make_trainer(tmp_path / clip, clip=clip, max_grad_norm=1e-3)
-    trainer.create_optimizer()
-    batch = next(iter(trainer.get_train_dataloader()))
-    trainer.compute_loss(trainer.model, batch).backward()
+    trainer.make_optimizer()
+    batch = next(iter(trainer.train_loader()))
+    trainer.batch_loss(trainer.model, batch).backward()
     before = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}
     trainer.clip_gradients()
     after = {k: p.grad.clone() for k, p in trainer.model.trainable_parameters().items() if p.grad is not None}

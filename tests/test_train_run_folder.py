@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import TrainerCallback
 
 from bitune.cli import main
 from bitune.errors import BituneError
-from bitune.train.run_folder import run_lock
-from bitune.train.trainer import LOG_FILE, checkpoints, run_training
+from bitune.train.run_folder import LOG_FILE, checkpoints, run_lock
+from bitune.train.trainer import run_training
 from helpers.dist import Interrupt
 from helpers.gen import save_checkpoint
 from helpers.train import make_trainer, read_log
@@ -30,14 +29,14 @@ def digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-class Second(TrainerCallback):
+class Second:
     """At optimizer step ``at`` of the first trainer, run ``bitune train`` on the same folder in a new process."""
 
     def __init__(self, at: int, argvs: list[list[str]]):
         self.at, self.argvs, self.results = at, argvs, []
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
+    def __call__(self, step, model):
+        if step == self.at:
             for argv in self.argvs:
                 self.results.append(subprocess.run([sys.executable, "-m", "bitune.cli", *argv], capture_output=True,
                                                    text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}))
@@ -107,14 +106,14 @@ def test_resume_with_nothing_to_resume_names_what_is_there(tmp_path):
     assert not (run_dir / "checkpoint-3").exists() and [r["step"] for r in read_log(run_dir)] == [1, 2, 2]
 
 
-class Poison(TrainerCallback):
+class Poison:
     """Write NaN into one trained tensor at the end of step ``at``, after hashing the run's checkpoints."""
 
     def __init__(self, at: int, run_dir: Path):
         self.at, self.run_dir, self.before = at, run_dir, None
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == self.at:
+    def __call__(self, step, model):
+        if step == self.at:
             self.before = digest(self.run_dir) if self.run_dir.exists() else {}
             with torch.no_grad():
                 next(iter(model.trainable_parameters().values())).fill_(float("nan"))

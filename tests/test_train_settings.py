@@ -38,6 +38,18 @@ def test_prompt_passes_is_a_run_setting_also_read_from_the_old_bitune_section(tm
         load_settings(None, ["prompt_passes=parallel"])
 
 
+def test_gradient_checkpointing_is_read_as_recompute_with_a_deprecation_warning(tmp_path):
+    old = write(tmp_path / "old.yaml", "gradient_checkpointing: true\n")
+    with pytest.warns(DeprecationWarning, match="gradient_checkpointing is now called recompute"):
+        s = load_settings(old)
+    assert s.recompute is True and "gradient_checkpointing" not in s.to_dict()
+    with pytest.warns(DeprecationWarning):
+        assert load_settings(None, ["gradient_checkpointing=true", "recompute=true"]).recompute is True
+    with pytest.raises(BituneError, match="gradient_checkpointing=True and recompute=False disagree"):
+        load_settings(old, ["recompute=false"])
+    assert load_settings(None, ["recompute=true"]).recompute is True
+
+
 def test_extends_merges_sections(tmp_path):
     write(tmp_path / "base.yaml", "lr: 0.1\nsteps: 7\nbitune:\n  rank: 4\n  theta_init: 0.1\n")
     child = write(tmp_path / "child.yaml", "extends: base.yaml\nsteps: 9\nbitune:\n  rank: 2\n")

@@ -296,7 +296,7 @@ def test_sft_configs_checkpointing_default_trains_with_the_same_loss_and_gradien
     for on in (False, True):
         trainer = sft_trainer(str(tmp_path / f"out{on}"), activation_checkpointing=on, per_device_train_batch_size=4)
         model = trainer.bitune_model.train()
-        assert trainer.model.is_activation_checkpointing == on == model.checkpointing
+        assert trainer.model.is_activation_checkpointing == on == model.recomputing
         batch = next(iter(trainer.get_train_dataloader()))
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()

@@ -29,6 +29,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .config import BituneConfig
+from .errors import BituneError
 from .recompute import recorded
 
 WEIGHT_SETS = ("causal", "bidir")
@@ -285,8 +286,9 @@ class WeightSets(nn.Module):
           weight the bidir set touches, swapped in for that pass (memory: one more copy of those weights).
         - ``method: full`` holds two weight copies already, and a variant without adapters has nothing to merge.
 
-        Gradients need the unmerged factors: a merged model does not train (:meth:`unmerge` first). A no-op when
-        merged already.
+        Generation, scoring and every inference path give the unmerged model's numbers to float rounding.
+        Gradients need the unmerged factors: a merged model does not train (:meth:`unmerge` first; trainers do
+        it). A no-op when merged already, or when there is nothing to merge (``method="full"``, ``pretrained``).
         """
         if self.merged or not self.peft:
             return
@@ -303,7 +305,8 @@ class WeightSets(nn.Module):
     @torch.no_grad()
     def unmerge(self) -> None:
         """Undo :meth:`merge` (PEFT's unmerge: the base weights come back to within float rounding of one add and
-        one subtract). A no-op when not merged."""
+        one subtract, so a model that is trained after inference and must match training alone bit for bit is
+        never merged). A no-op when not merged."""
         if not self.merged:
             return
         for layer in self._tuner_layers:
@@ -311,6 +314,35 @@ class WeightSets(nn.Module):
             layer.unmerge()
         self._bidir_merged = []
         self.merged = False
+
+    def merged_bidir_tensors(self) -> list[torch.Tensor]:
+        """The copies of base weights (and biases) with the bidir set merged that a merged DoRA or IA3 model holds
+        for its bidir prompt pass (:meth:`merge`); empty otherwise. What merging adds to the model's memory."""
+        return [t for _, weight, bias in self._bidir_merged for t in (weight, bias) if t is not None]
+
+    @torch.no_grad()
+    def merged_model(self) -> nn.Module:
+        """A standard transformers model (no adapter layers) holding the base weights with the causal set merged:
+        a copy, on the device and in the dtype of the weights, with the base model's generation config.
+
+        Raises:
+            BituneError: PEFT adapters that are not merged (:meth:`merge` first).
+        """
+        if self.peft and not self.merged:
+            raise BituneError("merged_model() needs the causal set merged: call merge() first")
+        adapters = {id(p) for name in self.names for p in self.parameters_of(name).values()}
+        state = {}
+        for key, tensor in self.base.state_dict(keep_vars=True).items():
+            if id(tensor) in adapters or any(part.startswith(("lora_", "ia3_")) for part in key.split(".")):
+                continue  # PEFT's own per-layer state (DoRA magnitudes, IA3 vectors)
+            state[key.replace(".base_layer.", ".")] = tensor.detach().clone()
+        config = copy.deepcopy(self.base.config)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain = type(self.base)(config).to(dtype=next(iter(state.values())).dtype)
+        plain.load_state_dict(state, strict=True)
+        plain.generation_config = self.base.generation_config
+        return plain
 
     @staticmethod
     def _merged_copy(layer: BaseTunerLayer, name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor | None]:
@@ -358,6 +390,14 @@ class WeightSets(nn.Module):
             self.model.set_adapter("causal")
             for p, flag in flags:
                 p.requires_grad_(flag)
+
+    def freeze_unreached(self, name: str, output: torch.Tensor) -> None:
+        """Freeze the parameters of weight set ``name`` that no gradient of ``output`` (a scalar) reaches."""
+        params = self.parameters_of(name)
+        grads = torch.autograd.grad(output, list(params.values()), allow_unused=True)
+        for p, g in zip(params.values(), grads):
+            if g is None:
+                p.requires_grad_(False)
 
     def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         """Trainable parameters of one weight set, by name (empty if the set does not exist)."""

@@ -1,4 +1,5 @@
-"""Activation checkpointing per decoder layer that keeps the prompt passes' caches (``gradient_checkpointing``).
+"""Recompute: activation checkpointing per decoder layer that keeps the prompt passes' caches (the ``recompute``
+training setting).
 
 transformers' own ``gradient_checkpointing_enable`` turns the cache off in training (a prompt pass would lose the
 keys and values the answer reads). Here each decoder layer's ``forward`` is run under
@@ -27,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .errors import BituneError
+
 _ACTIVE: ContextVar[tuple] = ContextVar("bitune_forward_setup", default=())
 
 
@@ -47,6 +50,39 @@ def _reentered(setup: tuple) -> Iterator[None]:
         for factory, args in setup:
             stack.enter_context(factory(*args))
         yield
+
+
+def decoder_layers(models: list[nn.Module], num_layers: int) -> list[nn.Module]:
+    """Every decoder layer of ``models`` (in order), found by the class names transformers lists in
+    ``_no_split_modules``: the units recompute and FSDP work on.
+
+    Raises:
+        BituneError: a model names no decoder layer class, or does not hold ``num_layers`` of them.
+    """
+    found = []
+    for model in models:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        layers = [m for m in model.modules() if type(m).__name__ in names]
+        if not layers or len(layers) != num_layers:
+            raise BituneError(f"{type(model).__name__}: no list of {num_layers} decoder layers found "
+                              f"(_no_split_modules={sorted(names)}); activation checkpointing and FSDP "
+                              "need one module per decoder layer")
+        found += layers
+    return found
+
+
+def refuse_transformers_checkpointing(models: list[nn.Module], training: bool) -> None:
+    """Refuse transformers' own gradient checkpointing on any of ``models`` in training: it drops the prompt
+    caches the answer reads (it sets ``use_cache=False``). :func:`checkpoint_layers` is the one that keeps them."""
+    if training and any(getattr(m, "is_activation_checkpointing", False) for m in models):
+        raise ValueError("transformers' gradient checkpointing (gradient_checkpointing_enable) drops the prompt "
+                         "cache in training; turn it off and use BituneModel.enable_recompute() "
+                         "(the 'recompute: true' setting of bitune train)")
+
+
+def recomputing(layers: list[nn.Module]) -> bool:
+    """Whether :func:`checkpoint_layers` made ``layers`` recompute."""
+    return any("forward" in layer.__dict__ for layer in layers)
 
 
 def checkpoint_layers(layers: list[nn.Module]) -> None:
@@ -91,4 +127,4 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-__all__ = ["recorded", "checkpoint_layers"]
+__all__ = ["recorded", "decoder_layers", "refuse_transformers_checkpointing", "recomputing", "checkpoint_layers"]

@@ -9,7 +9,7 @@ For left-padded prompts x_1..x_P and right-padded answers y_1..y_A (eos included
    with ``a = |theta| / (theta_init + |theta|)``, in float32.
 3. One causal forward with the causal weights reads x_P, y_1..y_{A-1} on top of the mixed cache, positions
    continuing after the prompt's real tokens; its logits predict y_1..y_A.
-4. The loss is the example mean (:class:`bitune.model.BituneOutput`): each example's mean answer-token
+4. The loss is the example mean (:class:`bitune.outputs.BituneOutput`): each example's mean answer-token
    cross-entropy, averaged over the examples.
 
 Nothing here is fast: every pass runs the whole model (lm_head included), one pass at a time.

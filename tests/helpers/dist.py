@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import TrainerCallback
 
 from bitune import BituneModel
 from bitune.data.collate import Collator
@@ -27,14 +26,14 @@ TESTS = Path(__file__).resolve().parents[1]
 """The ``tests/`` folder: on ``PYTHONPATH`` in the launched processes, so that ``helpers`` imports there too."""
 
 
-class Interrupt(TrainerCallback):
-    """Simulates a crash right after optimizer step ``at``."""
+class Interrupt:
+    """A step hook that simulates a crash right after optimizer step ``at``."""
 
     def __init__(self, at: int):
         self.at = at
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
+    def __call__(self, step, model):
+        if step == self.at:
             raise KeyboardInterrupt
 
 
@@ -48,12 +47,12 @@ def train_tiny(output_dir: str, variant: str = "bitune", method: str = "lora", b
         model="tiny", dataset="tiny", output_dir=output_dir, batch_size=batch_size, grad_accum=grad_accum,
         steps=steps, lr=lr, log_every=1, seed=0, save_every=save_every, save_total_limit=None,
         warmup_ratio=0.0, bitune={"variant": variant, "method": method}, fsdp=fsdp,
-        gradient_checkpointing=checkpointing, clip=clip, max_grad_norm=max_grad_norm))
+        recompute=checkpointing, clip=clip, max_grad_norm=max_grad_norm))
     transformers.set_seed(settings.seed)
     model = perturb_adapters(tiny_bitune(config=settings.bitune))  # LoRA B != 0: no all-zero grads
     trainer = build_trainer(model, settings, samples(16, lengths=rank_lengths), None, Collator(0), tensorboard=True)
     if interrupt_at is not None:
-        trainer.add_callback(Interrupt(interrupt_at))
+        trainer.add_step_hook(Interrupt(interrupt_at))
     run_training(trainer, settings, resume=resume)
     return trainer
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import transformers
 
 from bitune.data.collate import Collator
+from bitune.train.run_folder import LOG_FILE
 from bitune.train.settings import TrainSettings
-from bitune.train.trainer import LOG_FILE, build_trainer
+from bitune.train.trainer import build_trainer
 from helpers.data import samples
 from helpers.models import tiny_bitune
 
@@ -25,7 +26,7 @@ def make_trainer(tmp_path: Path, data: list[dict] | None = None, callbacks=(), *
     trainer = build_trainer(model, settings, data if data is not None else samples(), None, Collator(0),
                             tensorboard=False)
     for cb in callbacks:
-        trainer.add_callback(cb)
+        trainer.add_step_hook(cb)
     return trainer, settings
 
 

@@ -24,6 +24,13 @@ PROFILE_GROUPS = {
 
 
 def bench_decode(args) -> dict:
+    """``bitune bench decode``: measure (:func:`measure`), print (:func:`render`), return the record."""
+    result = measure(args)
+    render(result)
+    return result
+
+
+def measure(args) -> dict:
     """Time ``BituneModel.decode_step`` (the base model as the ``pretrained`` variant: nothing but our wrapper
     around its forward) against the model's own forward on the same cache and inputs, per batch size, and
     profile the step with ``torch.profiler``: self time of matrix products, attention, and the rest."""
@@ -81,14 +88,18 @@ def bench_decode(args) -> dict:
                        "profile_share": {g: v / total for g, v in groups.items()},
                        "top_ops": [(e.key, e.self_cpu_time_total / total) for e in
                                    sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]]}
-    table = Table(title=f"Decoding step, {args.model}, {device.type}, {torch.get_num_threads()} threads, "
-                        f"context {args.context} tokens, {args.steps} steps")
-    for col in ("rows", "decode_step ms", "model forward ms", "ours / forward", "matmuls", "attention", "rest"):
-        table.add_column(col, justify="right")
-    for B, r in rows.items():
-        share = r["profile_share"]
-        table.add_row(str(B), f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['overhead']:.3f}",
-                      f"{100 * share['matmuls']:.0f}%", f"{100 * share['attention']:.0f}%", f"{100 * share['rest']:.0f}%")
-    Console().print(table)
     return {"model": args.model, "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads(),
             "context": args.context, "steps": args.steps, "rows": {str(b): r for b, r in rows.items()}}
+
+
+def render(result: dict) -> None:
+    """Print a :func:`measure` record as a table."""
+    table = Table(title=f"Decoding step, {result['model']}, {result['device']}, {result['threads']} threads, "
+                        f"context {result['context']} tokens, {result['steps']} steps")
+    for col in ("rows", "decode_step ms", "model forward ms", "ours / forward", "matmuls", "attention", "rest"):
+        table.add_column(col, justify="right")
+    for B, r in result["rows"].items():
+        share = r["profile_share"]
+        table.add_row(B, f"{r['step_ms']:.1f}", f"{r['forward_ms']:.1f}", f"{r['overhead']:.3f}",
+                      f"{100 * share['matmuls']:.0f}%", f"{100 * share['attention']:.0f}%", f"{100 * share['rest']:.0f}%")
+    Console().print(table)

@@ -16,8 +16,15 @@ from ..hub import load_model
 from .helpers import build, device_dtype, int_list, random_prompts, timed
 
 
-@torch.no_grad()
 def bench_prefill(args) -> dict:
+    """``bitune bench prefill``: measure (:func:`measure`), print (:func:`render`), return the record."""
+    result = measure(args)
+    render(result)
+    return result
+
+
+@torch.no_grad()
+def measure(args) -> dict:
     """Read random prompts of each length and batch size with a merged Bitune model (fresh adapters: the same
     compute as trained ones), both prompt passes batched into one forward over 2B rows vs one forward per pass,
     interleaved round by round with the base model's own forward over the same prompts; reports the medians,
@@ -58,15 +65,19 @@ def bench_prefill(args) -> dict:
             rows.append({"batch": B, "prompt_tokens": P, **{f"{k}_s": v for k, v in med.items()},
                          "batched_over_sequential": med["batched"] / med["sequential"], "auto": auto,
                          "auto_over_base": med[auto] / med["base"]})
-    table = Table(title=f"Prefill, {args.model}, {device.type}, merged Bitune (fresh adapters), median of "
-                        f"{args.rounds} interleaved rounds")
+    return {"device": str(device), "dtype": str(dtype), "model": args.model, "threads": torch.get_num_threads(),
+            "rounds": args.rounds, "rows": rows}
+
+
+def render(result: dict) -> None:
+    """Print a :func:`measure` record as a table."""
+    table = Table(title=f"Prefill, {result['model']}, {result['device']}, merged Bitune (fresh adapters), median of "
+                        f"{result['rounds']} interleaved rounds")
     for col in ("batch", "prompt", "base s", "batched s", "sequential s", "batched / sequential", "auto picks",
                 "auto / base"):
         table.add_column(col, justify="right")
-    for r in rows:
+    for r in result["rows"]:
         table.add_row(str(r["batch"]), str(r["prompt_tokens"]), f"{r['base_s']:.3f}", f"{r['batched_s']:.3f}",
                       f"{r['sequential_s']:.3f}", f"{r['batched_over_sequential']:.2f}", r["auto"],
                       f"{r['auto_over_base']:.2f}")
     Console().print(table)
-    return {"device": str(device), "dtype": str(dtype), "model": args.model, "threads": torch.get_num_threads(),
-            "rounds": args.rounds, "rows": rows}

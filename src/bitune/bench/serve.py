@@ -231,14 +231,6 @@ def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str,
 
 
 # ------------------------------------------------------------------------------------------------ the command
-TARGETS = {"batching": 2.5, "bitune_vs_pretrained": 0.95, "bitune_vs_lora": 0.95, "pretrained_vs_transformers": 1.3,
-           "bitune_ttft_vs_pretrained": 2.2}
-"""What the comparisons aim at (SmolLM2-135M, 2 CPU cores, 8 clients, P = A = 64): generated tokens/s ratios at
-least this, and Bitune's median time to first token at most this multiple of the base model's."""
-AT_MOST = {"bitune_ttft_vs_pretrained"}
-"""Targets that are upper bounds."""
-
-
 def ours(name: str, source: list[str], args, batch: int, merge: bool = True) -> Server:
     command = [sys.executable, "-m", "bitune.cli", "serve", *source, "--served-model-name", "m", "--threads",
                str(args.threads), "--dtype", args.dtype, "--max-batch-size", str(batch), "--max-queue", "4096",
@@ -285,9 +277,14 @@ def checkpoints(args, work: Path) -> dict[str, str]:
 
 
 def bench_serve(args) -> dict:
-    """Run the comparisons; print the table; return the record written as JSON."""
-    from rich.console import Console
-    from rich.table import Table
+    """``bitune bench serve``: measure (:func:`measure`), print (:func:`render`), return the record."""
+    record = measure(args)
+    render(record)
+    return record
+
+
+def measure(args) -> dict:
+    """Run the comparisons; return the record (written as JSON with ``--output``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hub import resolve_device, resolve_model
@@ -338,38 +335,47 @@ def bench_serve(args) -> dict:
               "new_tokens": args.new_tokens, "rounds": args.rounds, "max_batch_size": args.max_batch_size,
               "checkpoints": {k: (v if getattr(args, k) else "fresh adapters (untrained)") for k, v in ckpts.items()},
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "servers": rows, "per_round": rounds, "ratios": ratios, "targets": TARGETS}
-    table = Table(title=f"bitune bench serve: {args.model}, {args.dtype}, {args.threads} threads, {args.clients} "
-                        f"clients x {args.requests} requests, prompt {args.prompt_tokens} tokens, "
-                        f"{args.new_tokens} generated, median of {args.rounds} rounds")
+              "servers": rows, "per_round": rounds, "ratios": ratios}
+    return record
+
+
+RATIO_NAMES = {
+    "batching": "batching / batch 1", "bitune_vs_pretrained": "Bitune / base model", "bitune_vs_lora": "Bitune / LoRA",
+    "pretrained_vs_transformers": "base model / transformers serve",
+    "bitune_ttft_vs_pretrained": "Bitune / base model, time to first token (p50)",
+    "bitune_decode_vs_pretrained": "Bitune / base model, each stream's tokens/s after its first token",
+    "bitune_unmerged_vs_pretrained": "Bitune unmerged (--no-merge) / base model",
+    "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model",
+    "pretrained_vs_transformers_cpu": "base model / transformers serve, by CPU time per generated token",
+    "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token"}
+"""How :func:`render` names each ratio of the record."""
+_TOKENS_PER_S = {"batching", "bitune_vs_pretrained", "bitune_vs_lora", "pretrained_vs_transformers",
+                 "bitune_unmerged_vs_pretrained", "lora_unmerged_vs_pretrained"}
+"""The ratios of generated tokens/s."""
+
+
+def render(record: dict) -> None:
+    """Print a :func:`measure` record: the servers' table, the ratios (the targets they are judged against are
+    stated in docs/benchmarks.md) and the machine's load."""
+    from rich.console import Console
+    from rich.table import Table
+
+    r = record
+    table = Table(title=f"bitune bench serve: {r['model']}, {r['dtype']}, {r['threads']} threads, {r['clients']} "
+                        f"clients x {r['requests_per_client']} requests, prompt {r['prompt_tokens']} tokens, "
+                        f"{r['new_tokens']} generated, median of {r['rounds']} rounds")
     for col in ("server", "tokens/s", "requests/s", "TTFT p50 s", "TTFT p99 s", "latency p50 s", "latency p99 s",
                 "CPU ms / token"):
         table.add_column(col, justify="right")
-    for name, r in rows.items():
+    for name, r in record["servers"].items():
         table.add_row(name, f"{r['tokens_per_s']:.1f}", f"{r['requests_per_s']:.3f}", f"{r['ttft_p50_s']:.2f}",
                       f"{r['ttft_p99_s']:.2f}", f"{r['latency_p50_s']:.2f}", f"{r['latency_p99_s']:.2f}",
                       f"{r['cpu_ms_per_token']:.1f}")
     console = Console(width=120)
     console.print(table)
-    names = {"batching": "batching / batch 1", "bitune_vs_pretrained": "Bitune / base model",
-             "bitune_vs_lora": "Bitune / LoRA", "pretrained_vs_transformers": "base model / transformers serve",
-             "bitune_ttft_vs_pretrained": "Bitune / base model, time to first token (p50)",
-             "bitune_decode_vs_pretrained": "Bitune / base model, each stream's tokens/s after its first token",
-             "bitune_unmerged_vs_pretrained": "Bitune unmerged (--no-merge) / base model",
-             "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model",
-             "pretrained_vs_transformers_cpu": "base model / transformers serve, by CPU time per generated token",
-             "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token"}
-    for key, value in ratios.items():
-        if value is None:
-            continue
-        what = "" if key in AT_MOST or key == "bitune_decode_vs_pretrained" or key.endswith("_cpu") else \
-            " generated tokens/s"
-        if key not in TARGETS:
-            console.print(f"{names[key]}: {value:.2f}x{what}")
-            continue
-        bound = "<=" if key in AT_MOST else ">="
-        met = value <= TARGETS[key] if key in AT_MOST else value >= TARGETS[key]
-        console.print(f"{names[key]}: {value:.2f}x{what} (target {bound} {TARGETS[key]}x: {'met' if met else 'MISSED'})")
+    for key, value in record["ratios"].items():
+        if value is not None:
+            console.print(f"{RATIO_NAMES[key]}: {value:.2f}x" + (" generated tokens/s" if key in _TOKENS_PER_S else ""))
+    load_before = record["load_average_before"]
     console.print(f"load average (1, 5, 15 min) before {load_before[0]:.1f}, {load_before[1]:.1f}, "
                   f"{load_before[2]:.1f}; after {record['load_average_after'][0]:.1f}")
-    return record

@@ -55,11 +55,12 @@ def bench_sharding(args) -> dict:
         if code != 0 or not out.is_file():
             raise ValueError(f"bench sharding: the worker processes failed (exit status {code})")
         result = json.loads(out.read_text())
-    _print(result)
+    render(result)
     return result
 
 
-def _print(result: dict) -> None:
+def render(result: dict) -> None:
+    """Print a record of :func:`bench_sharding` as a table."""
     from rich.console import Console
     from rich.table import Table
 
@@ -101,7 +102,7 @@ def _measure(args, wrap: str, checkpointing: bool) -> dict:
     torch.manual_seed(0)
     model = _model(args.model, args.method, args.meta)
     if checkpointing:
-        model.enable_checkpointing()
+        model.enable_recompute()
     trained = sharding.shard(model, bf16=False) if wrap == "fsdp" else (
         model if args.meta else DistributedDataParallel(model, find_unused_parameters=False))
     params = list(model.trainable_parameters().values())
@@ -141,7 +142,7 @@ def _activations(args) -> dict[bool, int]:
     out = {}
     for checkpointing in (False, True):
         if checkpointing:
-            model.enable_checkpointing()
+            model.enable_recompute()
         with count_saved() as counter:
             model(*batch)
         out[checkpointing] = counter.activations

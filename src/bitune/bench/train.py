@@ -60,8 +60,15 @@ def _lengths(text: str) -> list[tuple[int, int]]:
 
 
 def bench_train(args) -> dict:
+    """``bitune bench train``: measure (:func:`measure`), print (:func:`render`), return the record."""
+    result = measure(args)
+    render(result)
+    return result
+
+
+def measure(args) -> dict:
     """Time ``args.steps`` optimizer steps (after one warm-up) of LoRA and of Bitune's three paths at each
-    ``--lengths`` pair; print the table; return the record."""
+    ``--lengths`` pair; return the record."""
     if args.steps < 1 or args.batch_size < 1:
         raise ValueError("bench train needs --steps >= 1 and --batch-size >= 1")
     lengths = _lengths(args.lengths)
@@ -97,23 +104,24 @@ def bench_train(args) -> dict:
         row["time_ratio"] = med[default] / med["lora"]
         row["memory_ratio"] = peak[default] / peak["lora"]
         rows.append(row)
-    _print(rows, args, device, dtype, default)
     return {"device": str(device), "dtype": str(dtype), "model": args.model, "batch_size": args.batch_size,
-            "threads": torch.get_num_threads(), "default": default.removeprefix("bitune_"), "rows": rows}
+            "steps": args.steps, "threads": torch.get_num_threads(), "default": default.removeprefix("bitune_"),
+            "rows": rows}
 
 
-def _print(rows, args, device, dtype, default) -> None:
-    default = default.removeprefix("bitune_")
-    table = Table(title=f"Training step, {args.model}, {device.type} {str(dtype).removeprefix('torch.')}, "
-                        f"batch {args.batch_size}, median of {args.steps} (default path: {default})")
+def render(result: dict) -> None:
+    """Print a :func:`measure` record as a table (the targets are stated in docs/benchmarks.md)."""
+    default = result["default"]
+    table = Table(title=f"Training step, {result['model']}, {result['device']} "
+                        f"{result['dtype'].removeprefix('torch.')}, batch {result['batch_size']}, median of "
+                        f"{result['steps']} (default path: {default})")
     for col in ("P", "A", "path", "s / step", "/ LoRA", "FLOP ratio", "/ FLOP ratio", "memory / LoRA"):
         table.add_column(col, justify="right")
-    for r in rows:
+    for r in result["rows"]:
         table.add_row(str(r["prompt"]), str(r["answer"]), "LoRA", f"{r['lora_s']:.3f}", "1", "", "", "1")
         for p in PATHS:
             ratio = r[f"time_ratio_{p}"]
             table.add_row("", "", p + (" *" if p == default else ""), f"{r[f'bitune_{p}_s']:.3f}", f"{ratio:.2f}",
                           f"{r['flop_ratio']:.2f}", f"{ratio / r['flop_ratio']:.2f}", f"{r[f'memory_ratio_{p}']:.2f}")
     Console().print(table)
-    Console().print("* what prompt_passes='auto' trains with. "
-                    "Targets: time / FLOP ratio <= 1.05; memory <= 1.6 at P = A.")
+    Console().print("* what prompt_passes='auto' trains with.")

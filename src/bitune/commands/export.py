@@ -4,6 +4,7 @@ with the checkpoint itself under ``bitune/`` for the prompt passes (see ``docs/g
 from __future__ import annotations
 
 import argparse
+import fnmatch
 from pathlib import Path
 
 from ..errors import BituneError
@@ -21,39 +22,84 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "with the same tokens), plus bitune/: the checkpoint (bidir weights, mixer, config).\n"
                           "  bitune export --checkpoint runs/csqa/final --merged exported/")
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="a Bitune checkpoint folder")
-    parser.add_argument("--merged", required=True, metavar="DIR", help="the output folder: new, empty, or an earlier export (which is replaced)")
+    parser.add_argument("--merged", required=True, metavar="DIR",
+                        help="the output folder: new, empty, or an earlier export (replaced; files an export does "
+                             "not write, e.g. your README.md, are kept); never the checkpoint or its base model")
     parser.add_argument("--base", metavar="NAME", help="base model to load instead of the one the checkpoint records")
 
 
-def check_merged(merged: str, checkpoint: str) -> Path:
-    """The ``--merged`` folder, checked before anything loads: it is replaced whole, so it must be new, empty or an
-    earlier export (``config.json`` and ``bitune/``), never the checkpoint, a folder around it, a model or a run.
+EXPORT_WRITES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                 "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                 "chat_template.jinja", "vocab.json", "merges.txt", "bitune")
+"""Names an export writes (the model's and the tokenizer's ``save_pretrained``, and ``bitune/``): in an earlier
+export, anything else is the user's and is kept."""
+
+
+def needed_models(checkpoint: str, base: str | None) -> tuple[tuple[str, str | None], ...]:
+    """What the export must leave as it is, as :func:`bitune.files.check_output_dir`'s ``keep``: the checkpoint,
+    ``--base`` and the base model the checkpoint records where they are local folders, and, where such a folder is
+    itself an export, the base its own ``bitune/`` records (and so on down the chain)."""
+    keep: list[tuple[str, str | None]] = [("--checkpoint", checkpoint)]
+    todo = [("--base", base), ("the checkpoint's base model", _recorded_base(checkpoint))]
+    while todo and len(keep) < 32:
+        what, name = todo.pop(0)
+        if name is None or not Path(name).expanduser().is_dir():
+            continue
+        keep.append((what, name))
+        inner = Path(name).expanduser() / "bitune"
+        todo.append((f"the base model of {inner}", _recorded_base(inner)))
+    return tuple(keep)
+
+
+def _recorded_base(folder: str | Path) -> str | None:
+    """The base model a checkpoint folder records (None: not a checkpoint; a corrupt one is the load's to report)."""
+    from ..checkpoint import read_config
+
+    if not (Path(folder).expanduser() / CONFIG_FILE).is_file():
+        return None
+    try:
+        return read_config(folder).base_model
+    except ValueError:
+        return None
+
+
+def check_merged(merged: str, checkpoint: str, base: str | None = None) -> tuple[Path, tuple[str, ...]]:
+    """The ``--merged`` folder, checked before anything loads: it is replaced, so it must be new, empty or an
+    earlier export (``config.json`` and ``bitune/``), never the checkpoint, the base model it needs (or what that
+    needs), a folder around them, a model or a run.
+
+    Returns:
+        The folder, and the names in it an export does not write (the user's: kept through the replacement).
 
     Raises:
-        BituneError: naming the folder and what it holds.
+        BituneError: naming the folder and what it holds or would destroy.
     """
     out, ckpt = Path(check_named(merged, "--merged")).resolve(), Path(check_named(checkpoint, "--checkpoint")).resolve()
     if out == ckpt or ckpt in out.parents or out in ckpt.parents:
         raise BituneError(f"--merged {merged} overlaps --checkpoint {checkpoint}: pick another folder")
     if out.exists() and not out.is_dir():
         raise BituneError(f"--merged {merged} is a file; give a folder (it is replaced whole)")
+    check_output_dir(out, "--merged", keep=needed_models(checkpoint, base))
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     earlier_export = (out / "config.json").is_file() and (out / "bitune" / CONFIG_FILE).is_file()
     if held and not earlier_export:
         shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
-        raise BituneError(f"--merged {merged} holds other files ({shown}) and is replaced whole by the export; give "
+        raise BituneError(f"--merged {merged} holds other files ({shown}) and is replaced by the export; give "
                           "a new or empty folder, or an earlier export")
     check_output_dir(out.parent, "--merged's parent")
-    return out
+    return out, tuple(n for n in held if not any(fnmatch.fnmatchcase(n, p) for p in EXPORT_WRITES))
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..export import export_merged
     from ..loading import load_bitune
 
-    out = check_merged(args.merged, args.checkpoint)
+    out, kept = check_merged(args.merged, args.checkpoint, args.base)
     model, tokenizer = load_bitune(checkpoint=args.checkpoint, base=args.base, device="cpu")
     if model.config.variant == "pretrained":
         raise BituneError(f"{args.checkpoint} is a 'pretrained' checkpoint: the base model is its own export")
-    model.export_merged(out, tokenizer)
+    export_merged(model, out, tokenizer, keep=kept)
+    if kept:
+        print(f"bitune export: kept {', '.join(kept)} in {out} (not written by an export)")
     print(f"bitune export: {out} (transformers model, causal weights merged) and {out / 'bitune'} (the checkpoint)")
     return 0

@@ -41,7 +41,8 @@ from tqdm import tqdm
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
 from ..loading import load_bitune
-from ..model import BituneModel, token_logprobs
+from ..model import BituneModel
+from ..outputs import token_logprobs
 from ..passes import Prefill
 from ..processes import world_size
 from ..scoring import score_continuations

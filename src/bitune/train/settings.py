@@ -16,6 +16,8 @@ import math
 import textwrap
 import types
 import typing
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ RUNTIME_KEYS = ("prompt_passes",)
 accepted there, and moved to the top level (:func:`upgrade`)."""
 BF16_CHOICES = ("auto", "true", "false")
 CLIP_CHOICES = ("all", "adapters")
+RENAMED_KEYS = {"gradient_checkpointing": "recompute"}
+"""Settings read under an older name (still accepted, with a deprecation warning): old name -> new name."""
 
 
 @dataclass
@@ -87,9 +91,10 @@ class TrainSettings:
     """Seed of weights init, data order and dropout."""
     bf16: str = "auto"
     """bfloat16 autocast: 'auto' (on where the GPU supports it), 'true' or 'false'; always fp32 on CPU."""
-    gradient_checkpointing: bool = False
-    """Activation checkpointing per decoder layer: recompute each layer's activations in the backward pass (less
-    memory; each layer runs its forward twice); the prompt caches are kept, loss and gradients unchanged."""
+    recompute: bool = False
+    """Recompute each decoder layer's activations in the backward pass (activation checkpointing per layer: less
+    memory, each layer runs its forward twice); the prompt caches are kept, loss and gradients unchanged. The
+    older name ``gradient_checkpointing`` is still read, with a deprecation warning."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over the processes with FSDP2 (each decoder layer, then
     the rest) instead of replicating them (DDP); also set by ``--fsdp`` or an accelerate config with
@@ -120,33 +125,11 @@ class TrainSettings:
         for f in dataclasses.fields(self):
             if f.name != "bitune":
                 setattr(self, f.name, _coerce(f"{f.name}", getattr(self, f.name), _hints()[f.name]))
-        if self.prompt_passes not in PROMPT_PASSES:
-            raise BituneError(f"prompt_passes={self.prompt_passes!r} is not one of {list(PROMPT_PASSES)}")
-        if self.clip not in CLIP_CHOICES:
-            raise BituneError(f"clip={self.clip!r} is not one of {list(CLIP_CHOICES)}")
         self.bf16 = str(self.bf16).lower()
-        if self.bf16 not in BF16_CHOICES:
-            raise BituneError(f"bf16={self.bf16!r} is not one of {list(BF16_CHOICES)}")
-        for name in ("max_length", "batch_size", "grad_accum", "log_every"):
-            _positive(name, getattr(self, name))
-        for name in ("limit", "eval_limit", "steps", "data_steps", "eval_every", "save_every", "save_total_limit"):
-            if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
-        if not 0 <= self.seed < 2**32:
-            raise BituneError(f"seed must be in [0, 2**32), got {self.seed}")
-        if not self.model:
-            raise BituneError("model must name a base model")
-        if not self.dataset:
-            raise BituneError("dataset must name a dataset")
-        if not self.epochs > 0:  # also when steps overrides it: a wrong value is a mistake either way
-            raise BituneError(f"epochs must be > 0, got {self.epochs}")
-        if not self.lr > 0:
-            raise BituneError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise BituneError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        for name in ("weight_decay", "max_grad_norm", "num_workers"):
-            if not getattr(self, name) >= 0:
-                raise BituneError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, check, message in CHECKS:
+            value = getattr(self, name)
+            if value is not None and not check(value):
+                raise BituneError(message.format(name=name, value=value))
         if self.eval_every is not None and self.eval_split is None:
             raise BituneError("eval_every is set but eval_split is not: name the split to validate on")
         if self.bitune.base_model is not None and self.bitune.base_model != self.model:
@@ -155,8 +138,6 @@ class TrainSettings:
         if self.bitune.template is not None:
             raise BituneError(f"bitune.template={self.bitune.template!r}: the template is recorded from the dataset's "
                               "format (paper for named datasets; a file's rows decide); leave it unset")
-        if not self.output_dir:
-            raise BituneError("output_dir must be a folder path")
         self.output_dir = self._fill(self.output_dir)
 
 
@@ -202,8 +183,21 @@ class TrainSettings:
 
 
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """Settings as this version lays them out: a ``bitune.prompt_passes`` (once a model setting) moves to the top
-    level, where the run's runtime choices live; a copy, ``data`` is left as it is."""
+    """Settings as this version lays them out: a renamed key (:data:`RENAMED_KEYS`) takes its new name, with a
+    ``DeprecationWarning``; a ``bitune.prompt_passes`` (once a model setting) moves to the top level, where the
+    run's runtime choices live. A copy, ``data`` is left as it is.
+
+    Raises:
+        BituneError: a setting is given under both its old and its new name, with different values.
+    """
+    for old, new in RENAMED_KEYS.items():
+        if old in data:
+            if new in data and data[new] != data[old]:
+                raise BituneError(f"{old}={data[old]!r} and {new}={data[new]!r} disagree: {old} is the older name "
+                                  f"of {new}; set {new} only")
+            warnings.warn(f"the setting {old} is now called {new}: write {new}: {data[old]} (the old name is "
+                          "still read)", DeprecationWarning, stacklevel=2)
+            data = {(new if k == old else k): v for k, v in data.items() if not (k == new and old in data)}
     section = data.get("bitune")
     if not isinstance(section, dict) or not any(k in section for k in RUNTIME_KEYS):
         return data
@@ -390,9 +384,30 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     raise BituneError(f"{name}={value!r} is not a valid {kind[hint]}{quote}")
 
 
-def _positive(name: str, value: int) -> None:
-    if value < 1:
-        raise BituneError(f"{name} must be a positive integer, got {value}")
+def _positive(value: int) -> bool:
+    return value >= 1
+
+
+_POSITIVE = "{name} must be a positive integer, got {value}"
+_AT_LEAST_0 = "{name} must be >= 0, got {value}"
+CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("prompt_passes", lambda v: v in PROMPT_PASSES, f"{{name}}={{value!r}} is not one of {list(PROMPT_PASSES)}"),
+    ("clip", lambda v: v in CLIP_CHOICES, f"{{name}}={{value!r}} is not one of {list(CLIP_CHOICES)}"),
+    ("bf16", lambda v: v in BF16_CHOICES, f"{{name}}={{value!r}} is not one of {list(BF16_CHOICES)}"),
+    *((name, _positive, _POSITIVE) for name in ("max_length", "batch_size", "grad_accum", "log_every", "limit",
+                                                "eval_limit", "steps", "data_steps", "eval_every", "save_every",
+                                                "save_total_limit")),
+    ("seed", lambda v: 0 <= v < 2**32, "{name} must be in [0, 2**32), got {value}"),
+    ("model", bool, "{name} must name a base model"),
+    ("dataset", bool, "{name} must name a dataset"),
+    ("epochs", lambda v: v > 0, "{name} must be > 0, got {value}"),  # also when steps overrides it: a mistake
+    ("lr", lambda v: v > 0, "{name} must be > 0, got {value}"),
+    ("warmup_ratio", lambda v: 0.0 <= v < 1.0, "{name} must be in [0, 1), got {value}"),
+    *((name, lambda v: v >= 0, _AT_LEAST_0) for name in ("weight_decay", "max_grad_norm", "num_workers")),
+    ("output_dir", bool, "{name} must be a folder path"),
+)
+"""The checks of single settings, in order, after each value's type is checked: (field, check, message naming
+the field and the value); a field set to None (where its type allows it) is not checked."""
 
 
 __all__ = ["TrainSettings", "load_settings", "read_yaml", "field_docs", "field_names", "upgrade"]

@@ -9,7 +9,7 @@ an atomic checkpoint (:mod:`.checkpoints`) when due. ``--resume`` restores weigh
 and skips the batches already consumed in the current epoch, so a resumed run ends bit-exact on the weights of
 an uninterrupted one (CPU).
 
-The loss is the example mean of each batch (:class:`bitune.model.BituneOutput`'s ``loss``).
+The loss is the example mean of each batch (:class:`bitune.outputs.BituneOutput`'s ``loss``).
 With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) the model runs
 in ``DistributedDataParallel``, each process takes its own ``batch_size`` examples of a global batch drawn in the
 order of one process with batch ``N x batch_size``, and DDP averages the gradients, so N processes x batch b
@@ -27,7 +27,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import transformers
@@ -58,6 +58,14 @@ from .run_folder import (
 from .settings import TrainSettings
 
 
+class StepHook(Protocol):
+    """What :meth:`BituneTrainer.add_step_hook` takes: called after every optimizer step, before logging and
+    saving, with the number of optimizer steps taken so far and the model (unwrapped); it may raise to stop the
+    run (what the run keeps then is what an interrupted run keeps)."""
+
+    def __call__(self, step: int, model: BituneModel) -> None: ...
+
+
 @dataclass
 class TrainState:
     """Where training stands; saved in every checkpoint's ``trainer_state.json``."""
@@ -81,8 +89,8 @@ class BituneTrainer:
         collator: turns a list of examples into ``prompt_ids, prompt_mask, answer_ids, answer_mask``.
         tensorboard: also log to ``output_dir/tensorboard``.
 
-    Objects added with :meth:`add_callback` get ``on_step_end(settings, state, control=None, model=model)``
-    after every optimizer step (transformers' ``TrainerCallback`` signature), before logging and saving.
+    Hooks added with :meth:`add_step_hook` (:class:`StepHook`) run after every optimizer step, before logging and
+    saving.
     """
 
     def __init__(self, model: BituneModel, settings: TrainSettings, train_data: list[dict],
@@ -99,8 +107,8 @@ class BituneTrainer:
                                        kwargs_handlers=[ddp_kwargs()])
         if self.fsdp:
             check_fsdp_processes(self.accelerator.num_processes)
-        if settings.gradient_checkpointing or fsdp.checkpointing:
-            model.enable_checkpointing()
+        if settings.recompute or fsdp.checkpointing:
+            model.enable_recompute()
         self.model = model
         self.settings = settings
         self.train_dataset, self.eval_dataset, self.collator = train_data, eval_data, collator
@@ -111,7 +119,7 @@ class BituneTrainer:
         self.state = TrainState()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
-        self.callbacks: list[Any] = []
+        self.step_hooks: list[StepHook] = []
         self.logger = JsonlLogger(Path(settings.output_dir), tensorboard) if self.is_main else None
         self._wrapped = None  # the model as trained: DDP-wrapped with several processes, or sharded in place
         self._positions = (0, 0)  # (real, computed) positions of the training batches since the last log
@@ -119,8 +127,9 @@ class BituneTrainer:
         self._batches: list[str] = []  # digests of the steps' batches since the last log
         self._bar = None
 
-    def add_callback(self, callback) -> None:
-        self.callbacks.append(callback)
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Run ``hook(step, model)`` after every optimizer step (see :class:`StepHook`)."""
+        self.step_hooks.append(hook)
 
     @property
     def wrapped(self) -> torch.nn.Module:
@@ -154,7 +163,7 @@ class BituneTrainer:
                               f"the data has {len(data)}")
         return RepeatedPrefix(sampler, needed)
 
-    def get_train_dataloader(self, sampler: Sampler[int] | None = None) -> DataLoader:
+    def train_loader(self, sampler: Sampler[int] | None = None) -> DataLoader:
         """This process's share of the training batches (see :meth:`train_sampler`)."""
         loader = DataLoader(self.train_dataset, batch_size=self.settings.batch_size,
                             sampler=sampler if sampler is not None else self.train_sampler(),
@@ -162,15 +171,15 @@ class BituneTrainer:
         return self.accelerator.prepare_data_loader(loader)
 
     # ---------------------------------------------------------------------------------------------- step parts
-    def create_optimizer(self) -> torch.optim.Optimizer:
+    def make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW (betas 0.9, 0.999) over exactly the model's trainable parameters; no decay on mixing thetas."""
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(parts.parameter_groups(self.model, self.settings.weight_decay),
                                                lr=self.settings.lr, betas=(0.9, 0.999), eps=1e-8)
         return self.optimizer
 
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Example-mean loss of the batch (:class:`bitune.model.BituneOutput`; prompt_ids/mask (B, P),
+    def batch_loss(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Example-mean loss of the batch (:class:`bitune.outputs.BituneOutput`; prompt_ids/mask (B, P),
         answer_ids/mask (B, A)).
 
         Raises:
@@ -231,7 +240,7 @@ class BituneTrainer:
             what = f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"
             raise BituneError(parts.diverged(self.state.global_step + 1, what, self._kept()))
 
-    def save_model(self, directory: Path) -> None:
+    def save_weights(self, directory: Path) -> None:
         """Write the standard Bitune checkpoint of the model into ``directory`` from the main process (every process
         calls this: sharded weights are gathered first), its model card recording this run."""
         tensors = sharding.gathered(self.model.weight_tensors(), keep=self.is_main) if self.fsdp else None
@@ -250,7 +259,7 @@ class BituneTrainer:
         (``train_loss`` over all its steps, ``train_runtime``, ...), which is also logged."""
         s, acc = self.settings, self.accelerator
         sampler = self.train_sampler()
-        loader = self.get_train_dataloader(sampler)
+        loader = self.train_loader(sampler)
         steps_per_epoch = max(math.ceil(len(loader) / s.grad_accum), 1)  # len: this process's micro-batches
         total = s.steps if s.steps is not None else math.ceil(s.epochs * steps_per_epoch)
         if resume_from is not None:
@@ -258,7 +267,7 @@ class BituneTrainer:
                 raise BituneError("resume: the model was sharded before its weights were loaded")
             self.model.load_weights(resume_from)  # before sharding: the checkpoint holds whole tensors
         _ = self.wrapped  # before the optimizer: sharding replaces the parameters it takes
-        self.create_optimizer()
+        self.make_optimizer()
         self.scheduler = transformers.get_linear_schedule_with_warmup(
             self.optimizer, math.ceil(total * s.warmup_ratio), total)
         if resume_from is not None:
@@ -329,7 +338,7 @@ class BituneTrainer:
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (accumulate unsharded until then)
                 model.set_requires_gradient_sync(i == len(group) - 1)
             with contextlib.nullcontext() if i == len(group) - 1 or self.fsdp else acc.no_sync(model):
-                loss = self.compute_loss(model, inputs) / len(group)
+                loss = self.batch_loss(model, inputs) / len(group)
                 acc.backward(loss)
             self._window += loss.detach()
         norms = self.clip_gradients()
@@ -340,11 +349,11 @@ class BituneTrainer:
         return norms, lr
 
     def _after_step(self, total: int, norms: dict[str, float], lr: float) -> None:
-        """Callbacks, then log, evaluate and save as due (every checkpoint step is logged: the log is cut there)."""
+        """Step hooks, then log, evaluate and save as due (every checkpoint step is logged: the log is cut there)."""
         s, step = self.settings, self.state.global_step
         self._window_steps += 1
-        for callback in self.callbacks:
-            callback.on_step_end(s, self.state, None, model=self.model)
+        for hook in self.step_hooks:
+            hook(step, self.model)
         self._bar.update(1)
         save = s.save_every is not None and (step % s.save_every == 0 or step == total)
         if step % s.log_every == 0 or save:
@@ -502,11 +511,11 @@ def _run_training(trainer: BituneTrainer, run: RunStart, first_log: dict[str, An
         metrics.update(trainer.evaluate())
     trainer.check_finite()  # never write a diverged model as final/
     final = out / FINAL_DIR
-    trainer.save_model(final)  # written in a temporary folder and renamed into place
+    trainer.save_weights(final)  # written in a temporary folder and renamed into place
     wait()
     metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
     return TrainResult(output_dir=out, final_dir=final, metrics=metrics)
 
 
-__all__ = ["BituneTrainer", "TrainResult", "TrainState", "build_trainer", "run_training", "checkpoints",
-           "ddp_kwargs", "resolve_bf16", "verify_checkpoint", "check_world_size", "LOG_FILE"]
+__all__ = ["BituneTrainer", "StepHook", "TrainResult", "TrainState", "build_trainer", "run_training", "ddp_kwargs",
+           "resolve_bf16", "batch_digest"]

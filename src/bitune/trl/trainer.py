@@ -7,7 +7,7 @@ What changes against a plain ``SFTTrainer``, and why:
   True}`` is set on ``args``), as TRL's DPO trainer keeps prompts and completions apart;
 - the data collator is ``bitune train``'s :class:`~bitune.data.collate.Collator` (left-padded prompts,
   right-padded answers), and :meth:`compute_loss` calls ``BituneModel.forward`` on its four tensors, the forward
-  ``bitune train`` runs, so the loss is the example mean (:class:`bitune.model.BituneOutput`). TRL's fused-LM-head
+  ``bitune train`` runs, so the loss is the example mean (:class:`bitune.outputs.BituneOutput`). TRL's fused-LM-head
   forward, which it installs on the model, is left in place: without ``fused_lm_head=True``, which only TRL's own
   ``compute_loss`` passes, it calls the model's forward unchanged;
 - the optimizer's parameter groups, the example order and the finite-loss check are ``bitune train``'s
@@ -77,15 +77,15 @@ class TrainerModel(nn.Module):
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
                                         every_n_layers: int = 1, offload: bool = False) -> None:
         """What ``Trainer`` calls for ``activation_checkpointing=True`` (SFTConfig's default): Bitune's own
-        checkpointing (:meth:`BituneModel.enable_checkpointing`: every decoder layer, the prompt caches kept),
+        checkpointing (:meth:`BituneModel.enable_recompute`: every decoder layer, the prompt caches kept),
         not transformers' (which drops the prompt cache). Its options were checked by the trainer."""
-        self.bitune.enable_checkpointing()
+        self.bitune.enable_recompute()
 
     gradient_checkpointing_enable = activation_checkpointing_enable  # the deprecated name transformers may call
 
     @property
     def is_activation_checkpointing(self) -> bool:
-        return self.bitune.checkpointing
+        return self.bitune.recomputing
 
     def forward(self, prompt_ids, prompt_mask, answer_ids, answer_mask):
         return self.bitune(prompt_ids, prompt_mask, answer_ids, answer_mask)
@@ -141,7 +141,7 @@ class BituneSFTTrainer(SFTTrainer):
             raise BituneError("BituneSFTTrainer: variant='pretrained' trains nothing; pick a trainable variant")
         model.unmerge()  # a model loaded for inference (merged) trains on its unmerged factors
         if args.activation_checkpointing:  # Bitune's own (Trainer calls it again in train(): idempotent)
-            model.enable_checkpointing()
+            model.enable_recompute()
         if train_dataset is None:
             raise BituneError("BituneSFTTrainer needs a train_dataset")
         max_length = args.max_length
@@ -170,7 +170,7 @@ class BituneSFTTrainer(SFTTrainer):
 
     # ----------------------------------------------------------------------------------------------- steps
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Example-mean loss of the batch through ``BituneModel.forward`` (:class:`bitune.model.BituneOutput`).
+        """Example-mean loss of the batch through ``BituneModel.forward`` (:class:`bitune.outputs.BituneOutput`).
 
         Args:
             model: the model ``Trainer`` runs (the Bitune model, possibly wrapped by DDP).

@@ -1,0 +1,67 @@
+"""The merged export: a Bitune model's decode half as a standard transformers model folder, with the checkpoint
+the prompt passes need beside it (``bitune export``; see ``docs/guides/serving-at-scale.md``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .errors import BituneError
+from .files import apply_umask, replace_dir
+
+
+@torch.no_grad()
+def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tuple[str, ...] = ()) -> Path:
+    """Write the decode model of a GPU fleet: the causal weights merged into a standard transformers model folder
+    (``config.json`` + ``model.safetensors``, no adapter layers: ``AutoModelForCausalLM.from_pretrained`` loads
+    it, and its ``generate`` continues any Bitune prefill of this model with the same tokens), plus ``bitune/``,
+    the model's checkpoint (:meth:`~bitune.model.BituneModel.save_pretrained`: the bidir set, the mixer and the
+    config) for the prefill workers that compute the mixed cache. Written to a temporary folder and renamed into
+    place. An unmerged model is merged for the export and unmerged after it (its base weights then differ from
+    before by float rounding: export a model you will train further from a fresh load).
+
+    Args:
+        model: the :class:`~bitune.model.BituneModel` to export.
+        directory: the output folder (replaced if it exists; its parents are created).
+        tokenizer: also saved into the folder, when given (default None).
+        keep: names of entries in an existing ``directory`` that the export did not write (a user's README.md):
+            kept through the replacement (:func:`bitune.files.replace_dir`). Default none.
+
+    Returns:
+        The folder, as a ``Path``.
+
+    Raises:
+        BituneError: the method is ``full`` (its causal set is a whole model already: ``bitune/causal``).
+    """
+    if model.config.method == "full" and model.config.weight_sets:
+        raise BituneError("method 'full' holds the causal weights as a whole model already (causal/ in its "
+                          "checkpoint); there is nothing to merge")
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    was_merged = model.merged
+    model.merge()
+    try:
+        plain = model.weights.merged_model()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            plain.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            checkpoint.save(model, tmp / "bitune", destination=directory / "bitune")  # its card shows where
+            apply_umask(tmp)
+            replace_dir(tmp, directory, keep)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    finally:
+        if not was_merged:
+            model.unmerge()
+    return directory
+
+
+__all__ = ["export_merged"]
