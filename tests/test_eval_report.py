@@ -32,9 +32,9 @@ def test_mean_and_sample_std_over_seeds():
     assert avg.values == pytest.approx([0.50, 0.53, 0.53])
     assert avg.std == pytest.approx(math.sqrt(((0.5 - 0.52) ** 2 + 2 * 0.01 ** 2) / 2))
     assert math.isnan(rep.cells["bitune"]["piqa"].std)
-    assert rep.rows()[0][:3] == ["lora", "3", "72.00 ± 2.00"]
-    assert rep.rows()[1][2] == "80.00 ± -"
-    assert list(rep.cells) == ["lora", "bitune"]
+    rows = {r[0]: r for r in rep.rows()}
+    assert rows["lora"][:3] == ["lora", "3", "72.00 ± 2.00"]
+    assert rows["bitune"][2] == "80.00 ± -"
 
 
 def test_metric_choice_and_gsm8k_metric():
@@ -91,7 +91,7 @@ def test_paired_differences_and_mcnemar_per_seed():
                paired_record("bitune", 42, bitune[0]), paired_record("bitune", 43, bitune[1]),
                paired_record("pretrained", None, [1] * 25 + [0] * 75)]
     tasks, skipped = collect_runs(records)
-    assert not skipped and list(tasks["arc_challenge"].methods) == ["pretrained", "lora", "bitune"]
+    assert not skipped and list(tasks["arc_challenge"].methods) == ["bitune", "lora", "pretrained"]  # by name
     rows = {(r[2], r[3]): r for r in difference_rows(tasks, ["lora", "pretrained"])}
     row = rows[("bitune", "lora")]
     assert row[1] == str(n) and row[4] == "2"
@@ -275,8 +275,9 @@ def test_embed_summary_shows_accuracies_trivial_baselines_and_bitune_differences
     assert "old" not in text and "### Summary: ARC-C: acc" in text
     # the best trivial baseline (always choice 1) scores 100% here: LoRA's 50% is marked below it, Bitune's 100% not
     row = next(line for line in text.splitlines() if line.startswith("| ARC-C | 20 | 100.0 | "))
-    assert row.split(" | ")[3].startswith("50.0 [") and row.split(" | ")[3].endswith("(below)")
-    assert row.split(" | ")[4] == "100.0 [100.0, 100.0] |" and text.count("(below)") == 2  # the legend + LoRA
+    bitune, lora = row.split(" | ")[3:5]  # methods by name (no report.yaml)
+    assert lora.startswith("50.0 [") and lora.endswith("(below) |")
+    assert bitune == "100.0 [100.0, 100.0]" and text.count("(below)") == 2  # the legend + LoRA
     row = next(line for line in text.splitlines() if line.startswith("| ARC-C | +50.0 ["))
     assert "Holm p" in row  # bitune minus lora: +50 points on the same 20 questions
     assert row.endswith("(1 seed pair) |")  # one run per method: the interval does not cover training seeds
@@ -337,3 +338,125 @@ def test_report_refuses_runs_of_different_settings(tmp_path, capsys, key, values
     err = capsys.readouterr().err
     assert f"differ in {what}" in err and repr(values[0]) in err and repr(values[1]) in err
     assert "lora (seed 42)" in err and "bitune (seed 42)" in err
+
+
+# ------------------------------------------------------------------------------ the study's own report settings
+def test_a_study_report_yaml_orders_the_methods_and_names_the_fair_baselines(tmp_path, capsys):
+    """The library knows no study's method names: without report.yaml methods appear by name and bitune is paired
+    with every other method; a study's report.yaml (in the runs' folder or above) sets the order and the pairs."""
+    from bitune.eval.report import SETTINGS_FILE
+
+    runs = tmp_path / "study" / "arc"
+    write_runs(runs, [paired_record(m, 42, [1] * k + [0] * (20 - k))
+                      for m, k in (("lora", 10), ("bitune", 14), ("lora16", 11), ("extra", 9))])
+
+    def report():
+        assert main(["report", str(runs), "--no-figure"]) == 0
+        md = (runs / "report.md").read_text()
+        table = md.split("mean ± sample std over seeds")[1].split("##")[0]
+        rows = [line.split(" | ")[0].strip("| ") for line in table.splitlines() if line.startswith("| ")][1:]
+        pairs = {tuple(c.strip() for c in line.split("|")[3:5]) for line in md.splitlines()
+                 if line.startswith("| ARC-C") and line.count("|") > 10}
+        return rows, pairs
+
+    rows, pairs = report()
+    assert rows == ["bitune", "extra", "lora", "lora16"]
+    assert {("bitune", "extra"), ("bitune", "lora16"), ("bitune", "lora")} <= pairs
+    (tmp_path / "study" / SETTINGS_FILE).write_text("methods: [lora, lora16, bitune]\nfair_baselines: [lora16]\n")
+    rows, pairs = report()
+    assert rows == ["lora", "lora16", "bitune", "extra"]
+    assert ("bitune", "lora16") in pairs and ("bitune", "extra") not in pairs and ("extra", "lora") in pairs
+    assert f"method order and fair baselines from {tmp_path / 'study' / SETTINGS_FILE}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("method: [lora]\n", "unknown setting 'method' (did you mean 'methods'?)"),
+    ("methods: lora\n", "report setting methods: a list of method names"),
+    ("methods: [lora, lora]\n", "'lora' is named twice"),
+    ("- lora\n", "a mapping of report settings"),
+])
+def test_a_bad_report_yaml_is_one_clear_error(tmp_path, capsys, text, message):
+    write_runs(tmp_path, [paired_record("lora", 42, [1, 0])])
+    (tmp_path / "report.yaml").write_text(text)
+    assert main(["report", str(tmp_path), "--no-figure"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "report.yaml" in err and not (tmp_path / "report.md").exists()
+
+
+# ------------------------------------------------------------------ nothing written before the command can finish
+def _out_of_order(doc, begin, end):
+    doc.write_text(f"Before.\n{end}\nold\n{begin}\nAfter.\n")
+
+
+def _end_missing(doc, begin, end):
+    doc.write_text(f"Before.\n{begin}\nold\nAfter.\n")
+
+
+def _read_only(doc, begin, end, monkeypatch):
+    import os
+
+    doc.write_text(f"Before.\n{begin}\nold\n{end}\nAfter.\n")
+    doc.chmod(0o444)
+    access = os.access  # root may write anyway: the check answers as it would for any other user
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if (mode & os.W_OK and os.path.abspath(p) ==
+                                                                       str(doc)) else access(p, mode, **kw))
+
+
+@pytest.mark.parametrize("option", ["--embed", "--embed-summary"])
+@pytest.mark.parametrize("problem, message, not_in", [
+    ("out of order", "markers are out of order", "add the line"),
+    ("end missing", "add the line '<!-- bitune report", "begin"),
+    ("read-only", "not writable", "add the line"),
+])
+def test_an_unusable_embed_target_stops_the_report_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                               option, problem, message, not_in):
+    """A README the report cannot go into (markers out of order or missing, the file read-only) is found before
+    report.md, report.csv, report.png or another document are written; the error names what is wrong, and never
+    asks to add a line that is already there."""
+    from bitune.eval.report import EMBED_BEGIN, EMBED_END, SUMMARY_BEGIN, SUMMARY_END
+
+    begin, end = (EMBED_BEGIN, EMBED_END) if option == "--embed" else (SUMMARY_BEGIN, SUMMARY_END)
+    runs, good, bad = tmp_path / "r", tmp_path / "good.md", tmp_path / "bad.md"
+    write_runs(runs, [paired_record("lora", 42, [1, 0] * 10), paired_record("bitune", 42, [1, 1] * 10)])
+    good.write_text(f"{EMBED_BEGIN}\nold\n{EMBED_END}\n")
+    if problem == "read-only":
+        _read_only(bad, begin, end, monkeypatch)
+    else:
+        {"out of order": _out_of_order, "end missing": _end_missing}[problem](bad, begin, end)
+    before = bad.read_text()
+    assert main(["report", str(runs), "--embed", str(good), option, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and not_in not in err.split(str(bad))[1], err
+    assert sorted(p.name for p in runs.iterdir()) == ["bitune-42", "lora-42"]  # no report.md/.csv/.png
+    assert good.read_text() == f"{EMBED_BEGIN}\nold\n{EMBED_END}\n" and bad.read_text() == before
+
+
+# ------------------------------------------------------------------------- no comparison dropped without a word
+def test_a_comparison_without_a_common_seed_is_named_in_the_report_and_on_stderr(tmp_path, capsys):
+    """bitune on seeds 42, 43 and lora on 44, 45 cannot be paired: the report says so once (report.md, the README
+    summary, stderr) instead of leaving the comparison out silently; the comparisons that can be made are made."""
+    from bitune.eval.report import SUMMARY_BEGIN, SUMMARY_END
+
+    runs, doc = tmp_path / "r", tmp_path / "README.md"
+    write_runs(runs, [paired_record("bitune", s, [1, 1, 0, 1] * 5) for s in (42, 43)]
+               + [paired_record("lora", s, [1, 0] * 10) for s in (44, 45)]
+               + [paired_record("pretrained", None, [0, 0, 1, 0] * 5)])
+    doc.write_text(f"{SUMMARY_BEGIN}\n{SUMMARY_END}\n")
+    assert main(["report", str(runs), "--no-figure", "--embed-summary", str(doc)]) == 0
+    named = "bitune vs lora on ARC-C (bitune seeds 42, 43; lora seeds 44, 45)"
+    err = capsys.readouterr().err
+    assert err.count(named) == 1 and "not compared" in err
+    md = (runs / "report.md").read_text()
+    assert md.count(named) == 1 and "Not compared (no training seed in common" in md
+    assert "| ARC-C | 20 | bitune | pretrained | 2 |" in md and "| ARC-C | 20 | lora | pretrained | 2 |" in md
+    assert doc.read_text().count(named) == 1
+
+
+def test_an_untrained_method_is_paired_with_a_trained_baseline(tmp_path):
+    """``--baselines lora`` with a pretrained run: the pretrained model against every LoRA seed, not left out."""
+    runs = tmp_path / "r"
+    write_runs(runs, [paired_record("lora", s, [1, 0] * 10) for s in (42, 43)]
+               + [paired_record("pretrained", None, [0, 0, 1, 0] * 5)])
+    assert main(["report", str(runs), "--no-figure", "--baselines", "lora"]) == 0
+    md = (runs / "report.md").read_text()
+    assert "| ARC-C | 20 | pretrained | lora | 2 | -25.0 [" in md and "Not compared" not in md

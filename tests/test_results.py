@@ -1,4 +1,7 @@
-"""Committed studies: ``bitune report`` on the committed eval files reproduces the committed report exactly."""
+"""Committed studies: ``bitune report`` on the committed eval files reproduces the committed report exactly.
+
+Tests that read a study's README prose (its sentences, not its generated blocks) carry the ``study`` marker and
+stay out of the default run: ``pytest -m study tests/test_results.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bitune.eval.report import build_markdown, find_results, load_records
+from bitune.eval.report import SETTINGS_FILE, build_markdown, find_results, find_settings, load_records
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 STUDIES = sorted(p.parent for p in RESULTS.glob("*/report.md"))
@@ -18,12 +21,14 @@ def test_the_committed_studies_are_all_reproduced():
     """The studies the README cites are the ones the tests below reproduce (a missing or renamed report would
     otherwise drop out of the parametrization silently)."""
     assert {"smollm2-arc-csqa", "gemma3-csqa"} <= {p.name for p in STUDIES}, f"reports under {RESULTS}: {STUDIES}"
+    for study in STUDIES:  # its method order and fair baselines are the study's, not the library's defaults
+        assert (study / SETTINGS_FILE).is_file(), f"{study} has no {SETTINGS_FILE}"
 
 
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.name)
 def test_report_reproduces_from_the_committed_eval_files(study):
     records = load_records(find_results([str(study)]))
-    _, markdown, tasks = build_markdown(records)
+    _, markdown, tasks = build_markdown(records, settings=find_settings([study])[0])
     assert markdown == (study / "report.md").read_text(encoding="utf-8")
     assert tasks, "the committed runs carry per-question results"
     for task in tasks.values():
@@ -53,7 +58,8 @@ def test_readme_summary_reproduces_from_its_study():
     text = README.read_text(encoding="utf-8")
     block = text[text.index(SUMMARY_BEGIN) + len(SUMMARY_BEGIN):text.index(SUMMARY_END)]
     full = f"results/{README_STUDY.name}/report.md"
-    summary = build_summary(analyse(load_records(find_results([str(README_STUDY)]))), source=f"[{full}]({full})")
+    records = load_records(find_results([str(README_STUDY)]))
+    summary = build_summary(analyse(records, settings=find_settings([README_STUDY])[0]), source=f"[{full}]({full})")
     assert block == "\n" + embedded(summary)
 
 
@@ -120,6 +126,7 @@ def test_agreement_counts_questions_answered_differently(tmp_path):
     assert "a seeds 1 and 2 answer 1 differently" in out
 
 
+@pytest.mark.study
 @pytest.mark.parametrize("task", ["csqa", "arc_easy"])
 def test_part3_reading_cites_the_agreement_the_runs_show(task):
     """The reading's claim that LoRA r16 is in effect LoRA r8 rests on counts computed from the committed runs."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from ..errors import BituneError, did_you_mean
@@ -16,15 +17,17 @@ from ..eval.report import (
     analyse,
     build_markdown,
     build_summary,
+    check_embed,
     embed_report,
     find_results,
+    find_settings,
     load_records,
     plot_accuracy,
     print_report,
     title_of,
     write_report,
 )
-from ..files import check_input_file, check_named, check_output_dir, read_text
+from ..files import check_named, check_output_dir, check_output_file
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 DEFAULT_BASELINES = "lora,pretrained"
@@ -37,6 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "  - each method's paired per-question difference to the baselines (bootstrap\n"
                           "    interval, exact McNemar p per seed); n and --limit in every table;\n"
                           "  - a figure (report.png): accuracy per method with intervals, seeds as points.\n"
+                          "A study's report.yaml (in the runs' folder or above it) names its methods' order\n"
+                          "and the baselines bitune is matched against (default: by name; every method).\n"
                           "Example:\n  bitune report runs/sweep   (finds every eval.json below; writes there)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="eval JSON files or folders searched for eval.json")
     parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"),
@@ -86,35 +91,42 @@ def check_baselines(text: str, labels: set[str]) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    output = check_output_dir(args.output, "--output") if args.output is not None else default_output(args.runs)
+    output = (check_output_dir(args.output, "--output") if args.output is not None
+              else check_output_dir(default_output(args.runs), "output folder"))
     records = load_records(find_results(args.runs))
+    settings, settings_file = find_settings(args.runs)
     limits = {r["config"].get("limit") for r in records}
     if len(limits) > 1:
         print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
     baselines = check_baselines(args.baselines, {r["label"] for r in records})
-    analysis = analyse(records, args.metric, args.gsm8k_metric, baselines)
+    analysis = analyse(records, args.metric, args.gsm8k_metric, baselines, settings)
     report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines, analysis)
-    print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
-    paired = markdown.find("\n## ", markdown.find("## ") + 3)
-    if paired >= 0:
-        print(markdown[paired + 1:])
     embeds = [(Path(check_named(d, "--embed")), markdown, EMBED_BEGIN, EMBED_END, "--embed") for d in args.embed]
     for d in args.embed_summary:  # the full report linked relative to the document that shows the summary
         document = Path(check_named(d, "--embed-summary"))
         full = Path(os.path.relpath(output / "report.md", document.resolve().parent)).as_posix()
         summary = build_summary(analysis, args.metric, args.gsm8k_metric, source=f"[{full}]({full})")
         embeds.append((document, summary, SUMMARY_BEGIN, SUMMARY_END, "--embed-summary"))
-    for document, text, begin, end, option in embeds:  # checked before anything is written
-        now = read_text(check_input_file(document, option), option)
-        if begin not in now or end not in now:
-            embed_report(document, text, begin, end, option)  # raises the error naming what is missing
+    figure = tasks and not args.no_figure
+    for name in ("report.md", "report.csv", *(["report.png"] if figure else [])):  # every target checked first
+        check_output_file(output / name, "--output")
+    for document, _, begin, end, option in embeds:
+        check_embed(document, begin, end, option)
+    if settings_file is not None:
+        print(f"bitune report: method order and fair baselines from {settings_file}")
+    print_report(report, f"{title_of(report.tasks, args.metric, args.gsm8k_metric)}, mean ± std over seeds, %")
+    paired = markdown.find("\n## ", markdown.find("## ") + 3)
+    if paired >= 0:
+        print(markdown[paired + 1:])
+    for u in analysis.unpaired:
+        print(f"bitune report: warning: not compared, no training seed in common: {u.text()}", file=sys.stderr)
     md, cs = write_report(report, output, markdown)
     print(f"bitune report: wrote {md} and {cs}")
     for document, text, begin, end, option in embeds:
         embed_report(document, text, begin, end, option)
         print(f"bitune report: updated the {'summary' if option == '--embed-summary' else 'report'} in {document}")
-    if tasks and not args.no_figure:
-        figure = plot_accuracy(tasks, args.metric, output / "report.png")
-        if figure is not None:
-            print(f"bitune report: wrote {figure}")
+    if figure:
+        path = plot_accuracy(tasks, args.metric, output / "report.png")
+        if path is not None:
+            print(f"bitune report: wrote {path}")
     return 0

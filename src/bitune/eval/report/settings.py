@@ -1,0 +1,102 @@
+"""A study's own report settings: which methods a report shows first and in which order, and which baselines
+``bitune`` is matched against. They live beside the runs, in a ``report.yaml`` the study writes; the library knows
+no study's method names. Without the file, methods appear alphabetically and ``bitune`` is paired with every other
+method.
+
+Example ``report.yaml``::
+
+    methods: [pretrained, lora, lora16, bitune]   # rows in this order, then any other method by name
+    fair_baselines: [lora16]                      # bitune is also paired with these (besides --baselines)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from ...errors import BituneError, did_you_mean
+from ...files import read_text
+
+SETTINGS_FILE = "report.yaml"
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """How one study's report orders and pairs its methods."""
+
+    methods: tuple[str, ...] = ()
+    """Methods shown first, in this order (rows, the summary's columns, the figure); every other method follows
+    by name."""
+    fair_baselines: tuple[str, ...] | None = None
+    """Methods ``bitune`` is paired with besides ``--baselines``: e.g. those matching its trainable parameters or
+    its training compute. None (the default): every other method that is not one of the paper's ablations."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "fair_baselines":
+                continue
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise BituneError(f"report setting {f.name}: a list of method names, not {value!r}")
+            twice = next((v for v in value if list(value).count(v) > 1), None)
+            if twice is not None:
+                raise BituneError(f"report setting {f.name}: {twice!r} is named twice")
+            object.__setattr__(self, f.name, tuple(value))
+
+    def method_key(self, label: str) -> tuple[int, str]:
+        """Sort key: the methods named in :attr:`methods` first, in that order, then the others by name."""
+        return (self.methods.index(label), "") if label in self.methods else (len(self.methods), label)
+
+
+def read_settings(path: Path) -> ReportSettings:
+    """The settings in a ``report.yaml``.
+
+    Raises:
+        BituneError: the file is not YAML, not a mapping, names an unknown setting or holds a bad value (naming
+            the file and the setting).
+    """
+    try:
+        data = yaml.safe_load(read_text(path, "report settings"))
+    except yaml.YAMLError as e:
+        raise BituneError(f"{path}: not valid YAML ({e})") from e
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise BituneError(f"{path}: a mapping of report settings, not {type(data).__name__}")
+    known = [f.name for f in fields(ReportSettings)]
+    for key in data:
+        if key not in known:
+            raise BituneError(f"{path}: unknown setting {key!r}{did_you_mean(key, known)}; known: "
+                              f"{', '.join(known)}")
+    try:
+        return ReportSettings(**data)
+    except BituneError as e:
+        raise BituneError(f"{path}: {e}") from e
+
+
+def find_settings(paths: list[str] | list[Path]) -> tuple[ReportSettings, Path | None]:
+    """The settings of the study the runs belong to: the nearest ``report.yaml`` in each given folder (a given
+    file's folder) or above it, as pytest and ruff find their configuration.
+
+    Returns:
+        settings: The study's settings, or the defaults when no input has a ``report.yaml``.
+        path: The file read, or None.
+
+    Raises:
+        BituneError: the inputs lie in studies with different ``report.yaml`` files, or the file is invalid.
+    """
+    found: set[Path] = set()
+    for p in paths:
+        folder = Path(p).expanduser().resolve()
+        folder = folder if folder.is_dir() else folder.parent
+        here = next((d / SETTINGS_FILE for d in (folder, *folder.parents) if (d / SETTINGS_FILE).is_file()), None)
+        if here is not None:
+            found.add(here)
+    if len(found) > 1:
+        raise BituneError(f"the runs lie in studies with different report settings ({', '.join(map(str, sorted(found)))}"
+                          "): report each study apart")
+    if not found:
+        return ReportSettings(), None
+    path = found.pop()
+    return read_settings(path), path
