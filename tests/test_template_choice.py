@@ -67,6 +67,18 @@ def test_training_records_the_data_template_and_generate_reuses_it(base_dir, tmp
     assert answers != generate_texts(model, tok, PROMPTS, template=other, max_new_tokens=5)
 
 
+def test_a_trained_checkpoint_carries_its_tokenizer_and_its_log_the_versions(base_dir, tmp_path):
+    """final/ loads like a transformers folder (AutoTokenizer on it gives the training tokenizer, chat template
+    included), and the run's first log record names the package versions that made it."""
+    from transformers import AutoTokenizer
+
+    final = train(base_dir, tmp_path, CHAT_ROWS, "tok")
+    saved, base = AutoTokenizer.from_pretrained(final), AutoTokenizer.from_pretrained(base_dir)
+    assert saved.get_vocab() == base.get_vocab() and saved.chat_template == base.chat_template
+    first = json.loads((tmp_path / "tok" / "log.jsonl").read_text().splitlines()[0])
+    assert first["event"] == "data" and {"torch", "transformers", "peft", "bitune"} <= set(first["versions"])
+
+
 def test_old_checkpoint_without_template_reads_as_paper(base_dir, tmp_path, capsys):
     model = perturbed_bitune(str(base_dir))
     model.save_pretrained(tmp_path / "old")

@@ -395,11 +395,11 @@ class BituneModel(nn.Module):
 
     # ----------------------------------------------------------------------------------------------- checkpoints
     def save_pretrained(self, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] | None = None,
-                        training: Training | None = None) -> None:
-        """Save the trained state (adapters in PEFT's format, mixer, config) and a model card into ``directory``
-        (replaced whole, through a temporary folder renamed into place); :func:`bitune.checkpoint.save` explains
-        ``tensors`` and ``training``. How the passes run (``prompt_passes``) is not saved."""
-        checkpoint.save(self, directory, tensors, training)
+                        training: Training | None = None, tokenizer=None) -> None:
+        """Save the trained state (adapters in PEFT's format, mixer, config), a model card and, if given, the
+        tokenizer's files into ``directory`` (replaced whole, through a temporary folder renamed into place);
+        :func:`bitune.checkpoint.save` explains ``tensors`` and ``training``. How the passes run is not saved."""
+        checkpoint.save(self, directory, tensors, training, tokenizer=tokenizer)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,

@@ -13,7 +13,7 @@ from ..data.collate import Collator, pad_id, tokenize_dataset
 from ..errors import BituneError
 from ..hub import load_model
 from ..model import BituneModel
-from ..provenance import source_commit
+from ..provenance import source_commit, versions
 from .run_folder import RunStart, start_run
 from .settings import TrainSettings
 from .trainer import TrainResult, build_trainer, run_training
@@ -71,9 +71,10 @@ def _train(settings: TrainSettings, run: RunStart, say: Callable[[str], None]) -
                                  template=datasets.dataset_template(settings.dataset))  # generate/chat/eval reuse it
     say(f"bitune train: {config.template} template (the format of {settings.dataset}; recorded in the checkpoint)")
     model = BituneModel.wrap(base, config, prompt_passes=settings.prompt_passes)
-    trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)))
+    trainer = build_trainer(model, settings, train_data, eval_data, Collator(pad_id(tokenizer)), tokenizer=tokenizer)
     result = run_training(trainer, settings, run.resume, overwrite=run.overwrite, run=run, first_log={
-        "event": "data", "commit": source_commit(), "dataset": settings.dataset, "train_examples": len(train_data), "dropped": dropped,
+        "event": "data", "commit": source_commit(), "versions": versions(), "dataset": settings.dataset,
+        "train_examples": len(train_data), "dropped": dropped,
         "eval_examples": len(eval_data) if eval_data is not None else 0})
     loss = result.metrics.get("train_loss", result.metrics.get("train_loss_since_resume", float("nan")))
     say(f"bitune train: final model in {result.final_dir} (train_loss {loss:.4f})")

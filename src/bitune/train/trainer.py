@@ -94,7 +94,7 @@ class BituneTrainer:
     """
 
     def __init__(self, model: BituneModel, settings: TrainSettings, train_data: list[dict],
-                 eval_data: list[dict] | None, collator, tensorboard: bool = True):
+                 eval_data: list[dict] | None, collator, tensorboard: bool = True, tokenizer=None):
         if model.config.variant == "pretrained":
             raise BituneError("bitune.variant='pretrained' trains nothing; pick a trainable variant")
         bf16, use_cpu = resolve_bf16(settings.bf16)
@@ -111,6 +111,7 @@ class BituneTrainer:
             model.enable_recompute()
         self.model = model
         self.settings = settings
+        self.tokenizer = tokenizer  # saved with final/, so the checkpoint loads like a transformers folder
         self.train_dataset, self.eval_dataset, self.collator = train_data, eval_data, collator
         self.group_by_length = settings.group_by_length if settings.group_by_length is not None \
             else settings.batch_size > 1
@@ -242,10 +243,11 @@ class BituneTrainer:
 
     def save_weights(self, directory: Path) -> None:
         """Write the standard Bitune checkpoint of the model into ``directory`` from the main process (every process
-        calls this: sharded weights are gathered first), its model card recording this run."""
+        calls this: sharded weights are gathered first), its model card recording this run, with the tokenizer's
+        files when the trainer has one."""
         tensors = sharding.gathered(self.model.weight_tensors(), keep=self.is_main) if self.fsdp else None
         if self.is_main:
-            self.model.save_pretrained(directory, tensors, self.training_record())
+            self.model.save_pretrained(directory, tensors, self.training_record(), tokenizer=self.tokenizer)
 
     def training_record(self) -> Training:
         """What the model card of a checkpoint saved now records: the run's settings, data and step."""
@@ -456,10 +458,11 @@ def resolve_bf16(setting: str) -> tuple[bool, bool]:
 
 
 def build_trainer(model: BituneModel, settings: TrainSettings, train_data: list[dict], eval_data: list[dict] | None,
-                  collator, tensorboard: bool = True) -> BituneTrainer:
+                  collator, tensorboard: bool = True, tokenizer=None) -> BituneTrainer:
     """A :class:`BituneTrainer` for tokenized examples (the dicts :func:`bitune.data.collate.tokenize_dataset`
-    makes) and a collator producing ``prompt_ids, prompt_mask, answer_ids, answer_mask``."""
-    return BituneTrainer(model, settings, train_data, eval_data, collator, tensorboard)
+    makes) and a collator producing ``prompt_ids, prompt_mask, answer_ids, answer_mask``; ``tokenizer`` (optional)
+    is saved in ``final/``."""
+    return BituneTrainer(model, settings, train_data, eval_data, collator, tensorboard, tokenizer)
 
 
 def run_training(trainer: BituneTrainer, settings: TrainSettings, resume: bool = False,
