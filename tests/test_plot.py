@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -9,6 +11,7 @@ import transformers
 from bitune import BituneModel
 from bitune.cli import main
 from bitune.data.collate import Collator
+from bitune.errors import BituneError
 from bitune.generation import encode, render
 from bitune.plot import (
     FINAL_FILE,
@@ -187,3 +190,16 @@ def test_an_empty_or_broken_prompt_is_refused_before_loading(tmp_path, capsys, p
     assert main(["plot", "attention", "--model", str(tmp_path / "no-model"), "--prompt", prompt,
                  "--output", str(tmp_path / "out")]) == 2
     assert "--prompt" in capsys.readouterr().err
+
+
+def test_a_run_started_near_causal_starts_its_curves_at_its_recorded_share(tmp_path):
+    from bitune.plot import read_mixing_log
+
+    (tmp_path / "log.jsonl").write_text(json.dumps({"step": 5, "a_k": [0.2, 0.3], "a_v": [0.1, 0.15]}) + "\n")
+    assert read_mixing_log(tmp_path / "log.jsonl")[1]["k"][0] == [0.5, 0.5]  # no settings.yaml: the paper's start
+    (tmp_path / "settings.yaml").write_text("seed: 42\nbitune:\n  variant: bitune\n  init_share: 0.1\n")
+    steps, ratios = read_mixing_log(tmp_path / "log.jsonl")
+    assert steps == [0, 5] and ratios["k"][0] == ratios["v"][0] == [0.1, 0.1]
+    (tmp_path / "settings.yaml").write_text("bitune:\n  init_share: 1.5\n")
+    with pytest.raises(BituneError, match="init_share is 1.5"):
+        read_mixing_log(tmp_path / "log.jsonl")

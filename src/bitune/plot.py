@@ -28,7 +28,8 @@ from .inputs import check_prompt
 from .masks import pass_mask, position_ids
 
 INITIAL_RATIO = 0.5
-"""a = |theta| / (theta_init + |theta|) at theta = theta_init, for every theta_init: where every curve starts."""
+"""a = |theta| / (theta_init + |theta|) at theta = theta_init, for every theta_init: where every curve starts in
+the paper's setting; a run with another ``bitune.init_share`` (recorded in its ``settings.yaml``) starts there."""
 STEPS_FILE = "mixing_over_steps.png"
 FINAL_FILE = "mixing_final.png"
 ATTENTION_FILE = "attention.png"
@@ -48,8 +49,9 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
 
     Returns:
         ``(steps, {"k": [[a per layer] per step], "v": ...})``, in step order, starting at step 0 with the initial
-        ratio 0.5 of every layer (training logs start at step ``log_every``); where a step is logged twice
-        (the end-of-training summary repeats the last step), its last line counts.
+        ratio of every layer (training logs start at step ``log_every``): the run's ``bitune.init_share`` from the
+        ``settings.yaml`` beside the log, else 0.5; where a step is logged twice (the end-of-training summary
+        repeats the last step), its last line counts.
     """
     path = check_input_file(path, "--log", expected="log.jsonl")  # a run folder: its log.jsonl is named
     by_step: dict[int, tuple[list[float], list[float]]] = {}
@@ -66,9 +68,28 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
     if not by_step:
         raise BituneError(f"{path} holds no mixing ratios (a_k/a_v): is it the log of a variant that mixes?")
     L = len(next(iter(by_step.values()))[0])
-    by_step.setdefault(0, ([INITIAL_RATIO] * L, [INITIAL_RATIO] * L))
+    start = initial_ratio(path)
+    by_step.setdefault(0, ([start] * L, [start] * L))
     steps = sorted(by_step)
     return steps, {"k": [by_step[s][0] for s in steps], "v": [by_step[s][1] for s in steps]}
+
+
+def initial_ratio(log: Path) -> float:
+    """Every layer's a at step 0 of the run that wrote ``log``: its ``bitune.init_share`` (``settings.yaml`` beside
+    the log), or the paper's 0.5 when the run records none."""
+    import yaml
+
+    settings = log.parent / "settings.yaml"
+    try:
+        data = yaml.safe_load(settings.read_text(encoding="utf-8")) if settings.is_file() else None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise BituneError(f"{settings}: not readable YAML ({e}); it records the run's initial mixing ratio") from e
+    share = ((data or {}).get("bitune") or {}).get("init_share") if isinstance(data, dict) else None
+    if share is None:
+        return INITIAL_RATIO
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
+        raise BituneError(f"{settings}: bitune.init_share is {share!r}, not a share in (0, 1)")
+    return float(share)
 
 
 def _ratios(values, where: str) -> list[float]:
@@ -111,7 +132,8 @@ def mixing_figures(steps: list[int], ratios: dict[str, list[list[float]]]):
     layers = list(range(L))
     for key, marker in (("k", "o"), ("v", "s")):
         ax.plot(layers, ratios[key][-1], marker=marker, label=f"$a_{key}$")
-    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="initial value 0.5")
+    ax.axhline(ratios["k"][0][0], color="grey", linestyle=":", linewidth=1,
+               label=f"initial value {ratios['k'][0][0]:g}")
     ax.set_xlabel("layer index")
     ax.set_ylabel("bidirectional-to-causal ratio a")
     ax.set_title(f"Mixing ratios after training, step {steps[-1]} (paper fig. 3)")
@@ -128,7 +150,8 @@ def plot_mixing(log: str | Path, output_dir: str | Path) -> list[Path]:
     steps, ratios = read_mixing_log(log)
     if len(steps) <= 2:
         print(f"bitune plot: warning: {log} holds mixing ratios of one training step only (step {steps[-1]}; "
-              "log_every is longer than the run?): each curve joins the initial a = 0.5 at step 0 to it",
+              f"log_every is longer than the run?): each curve joins the initial a = {ratios['k'][0][0]:g} at step 0 "
+              "to it",
               file=sys.stderr)
     curves, final = mixing_figures(steps, ratios)
     return [_save(curves, output_dir, STEPS_FILE), _save(final, output_dir, FINAL_FILE)]
