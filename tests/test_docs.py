@@ -10,7 +10,8 @@
 
   - ``python`` / ``bash``: run by default (tiny models) and under ``-m integration`` (real models);
   - ``bash {norun="reason"}``: never run; the reason is required and shown as the skip reason;
-  - ``python {run="integration"}``: run only under ``-m integration`` (the real models).
+  - ``python {run="integration"}``: run only under ``-m integration`` (the real models);
+  - ``.name`` beside them is a CSS class of the block (``{.wrap norun="..."}``: long lines wrap on the site).
 
   Any other attribute, an empty reason, both attributes, a brace glued to the language (superfences then
   renders no code block) or ``py``/``sh``/``shell`` (which would escape these tests) fails the block's test.
@@ -32,8 +33,11 @@
   the real cache's (datasets are downloaded once, as in normal use). No product hook is involved: this is the
   folder the store would have built. Under ``-m integration`` the blocks run again, ``run="integration"`` ones
   included, with the real cache (``BITUNE_CACHE`` as set, else ``~/.cache/bitune``).
-* **Browser** (``-m integration``): the built site served over HTTP in headless Chromium: images load, the
-  navigation holds every page of ``mkdocs.yml`` and a click on it navigates, and the search finds "mixing".
+* **Browser** (``-m integration``): the built site served over HTTP in headless Chromium at 1280 px: on every
+  page images load, scripts and styles come from the site itself (KaTeX is vendored under ``docs/assets/``), the
+  navigation holds every page of ``mkdocs.yml``, and no code block, table or formula is wider than its column;
+  the method page's formulas are rendered, a click on the navigation navigates, and the search finds "mixing"
+  and ``BituneTrainer``.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1000")
+                "--window-size=1280,1000")
 
 
 def _mkdocs_env() -> dict[str, str]:
@@ -193,7 +197,7 @@ def _info(info: str) -> tuple[str, str, str, str]:
         value = next((v for v in (m.group("dq"), m.group("sq"), m.group("bare")) if v is not None), None)
         attrs[m.group("key")] = value
         pos = m.end()
-    unknown = sorted(set(attrs) - {"norun", "run"})
+    unknown = sorted(k for k in set(attrs) - {"norun", "run"} if not k.startswith("."))  # .name: a CSS class
     if unknown:
         return lang, "run", "", (f"unknown attribute(s) {unknown} in {{{text}}}: only norun=\"reason\" or "
                                  "run=\"integration\"")
@@ -625,21 +629,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_site_in_browser(site: Path, titles: list[str], shots: Path,
-                          pages=("index.html", "method/", "reference/api/"), click: str = "The method",
-                          word: str = "mixing") -> None:
-    """Serve ``site`` on a free port and check it in headless Chromium; screenshots go to ``shots``."""
+VIEWPORT = (1280, 1000)
+"""The browser's viewport (CSS px): a laptop screen, where Material shows the navigation and the table of contents."""
+ALLOWED_SCROLL = "scroll-ok"
+"""A class (``<div class="scroll-ok" markdown>``) around a table that may scroll sideways on purpose."""
+OVERFLOW_JS = """
+const out = [], counts = {code: 0, table: 0, math: 0, unmeasured: 0};
+const where = el => (el.closest('[id]') || {}).id || '';
+const text = el => (el.textContent || '').trim().split('\\n')[0].slice(0, 80);
+for (const code of document.querySelectorAll('.md-content pre > code')) {
+  const pre = code.parentElement, box = pre.parentElement;
+  if (!code.clientWidth) { counts.unmeasured++; continue; }
+  counts.code++;
+  if (code.scrollWidth > code.clientWidth + 1 || pre.scrollWidth > box.clientWidth + 1)
+    out.push(['code block', code.scrollWidth, Math.min(code.clientWidth, box.clientWidth), where(code), text(code)]);
+}
+for (const table of document.querySelectorAll('.md-content table')) {
+  if (!table.clientWidth) { counts.unmeasured++; continue; }
+  counts.table++;
+  if (table.closest('.ALLOWED')) continue;
+  const box = table.closest('.md-typeset__scrollwrap') || table.parentElement;
+  if (table.scrollWidth > box.clientWidth + 1)
+    out.push(['table', table.scrollWidth, box.clientWidth, where(table), text(table)]);
+}
+for (const math of document.querySelectorAll('.md-content .katex-display')) {
+  counts.math++;
+  if (math.scrollWidth > math.clientWidth + 1)
+    out.push(['formula', math.scrollWidth, math.clientWidth, where(math), text(math)]);
+}
+return [out, counts];
+""".replace("ALLOWED", ALLOWED_SCROLL)
+
+
+def site_pages(site: Path) -> list[str]:
+    """Every page of a built site, as the path a browser asks for (``""``, ``method/``, ...)."""
+    pages = []
+    for index in sorted(site.rglob("index.html")):
+        rel = index.parent.relative_to(site).as_posix()
+        if not rel.startswith(("assets", "search")):
+            pages.append("" if rel == "." else rel + "/")
+    return pages
+
+
+def check_site_in_browser(site: Path, titles: list[str], shots: Path, pages: list[str] | None = None,
+                          click: str = "The method", words: tuple[str, ...] = ("mixing", "BituneTrainer"),
+                          math_page: str = "method/") -> dict[str, dict[str, int]]:
+    """Serve ``site`` on a free port and check it in headless Chromium at :data:`VIEWPORT`; screenshots go to
+    ``shots``. On every page (default: all of them): images load, scripts and styles come from the site itself,
+    the navigation holds ``titles`` and its links are served, and no code block, table or formula is wider than
+    the column that holds it (a table inside :data:`ALLOWED_SCROLL` excepted). Then formulas on ``math_page`` are
+    rendered by KaTeX, a click on ``click`` navigates, and the search finds each of ``words``.
+
+    Returns:
+        What was measured per page: ``{page: {"code": n, "table": n, "math": n, "unmeasured": n}}``.
+    """
     from selenium import webdriver
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
+    pages = site_pages(site) if pages is None else pages
     port = _free_port()
     server = subprocess.Popen([str(PYTHON), "-m", "http.server", "--bind", "127.0.0.1", str(port), "--directory",
                                str(site)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}/"
     driver = None
+    measured: dict[str, dict[str, int]] = {}
     try:
         for _ in range(100):
             try:
@@ -653,15 +709,24 @@ def check_site_in_browser(site: Path, titles: list[str], shots: Path,
             options.add_argument(flag)
         driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
         driver.set_page_load_timeout(60)
+        width, height = VIEWPORT
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
         wait = WebDriverWait(driver, 30)
         shots.mkdir(parents=True, exist_ok=True)
+        overflows = []
         for page in pages:
             driver.get(base + page)
             wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
+            assert driver.execute_script("return window.innerWidth") == width
             wait.until(lambda d: d.execute_script("return Array.from(document.images).every(i => i.complete)"))
             broken = driver.execute_script(
                 "return Array.from(document.images).filter(i => !(i.naturalWidth > 0)).map(i => i.src)")
             assert not broken, f"{page}: images that did not load: {broken}"
+            foreign = driver.execute_script(
+                "return [...document.querySelectorAll('script[src], link[rel=stylesheet]')]"
+                ".map(e => e.src || e.href).filter(u => !u.startsWith(arguments[0]))", base)
+            assert not foreign, f"{page}: scripts or styles from outside the site (offline they fail): {foreign}"
             links = driver.find_elements(By.CSS_SELECTOR, "nav.md-nav--primary a.md-nav__link")
             texts = {" ".join((a.get_attribute("textContent") or "").split()) for a in links}
             missing = [t for t in titles if t not in texts]
@@ -670,7 +735,20 @@ def check_site_in_browser(site: Path, titles: list[str], shots: Path,
                 href = a.get_attribute("href")
                 if href and href.startswith(base) and "#" not in href:
                     urllib.request.urlopen(href, timeout=10).close()
-            driver.save_screenshot(str(shots / (page.strip("/").replace("/", "_").replace(".html", "") + ".png")))
+            found, counts = driver.execute_script(OVERFLOW_JS)
+            measured[page or "index"] = counts
+            overflows += [f"{page or 'index'}: {kind} {wide} px in {room} px (near #{anchor}): {first!r}"
+                          for kind, wide, room, anchor, first in found]
+            driver.save_screenshot(str(shots / ((page.strip("/").replace("/", "_") or "index") + ".png")))
+        assert not overflows, (f"{len(overflows)} block(s) cut off at {width} px (wrap the line, narrow the "
+                               "table, or put a table that may scroll in <div class=\"scroll-ok\" markdown>):\n"
+                               + "\n".join(overflows))
+        if math_page is not None:
+            driver.get(base + math_page)
+            wait.until(lambda d: d.execute_script("return document.querySelectorAll('.arithmatex .katex').length"))
+            raw = driver.execute_script("return [...document.querySelectorAll('.arithmatex')]"
+                                        ".filter(e => !e.querySelector('.katex')).map(e => e.textContent)")
+            assert not raw, f"{math_page}: formulas KaTeX did not render: {raw}"
         driver.get(base + "index.html")
         wait.until(lambda d: d.execute_script("return document.readyState") == "complete")
         target = next(a for a in driver.find_elements(By.CSS_SELECTOR, "nav.md-nav--primary a.md-nav__link")
@@ -680,21 +758,25 @@ def check_site_in_browser(site: Path, titles: list[str], shots: Path,
         wait.until(lambda d: d.current_url == href)
         assert driver.find_element(By.TAG_NAME, "h1").text, f"clicking {click!r} gave a page without a title"
         driver.save_screenshot(str(shots / "clicked.png"))
-        box = driver.find_element(By.CSS_SELECTOR, "input.md-search__input")
-        if not box.is_displayed():
-            driver.find_element(By.CSS_SELECTOR, "label.md-header__button[for='__search']").click()
-        box.click()
-        box.send_keys(word)
-        results = "ol.md-search-result__list > li"
-        try:
-            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, results))
-        except TimeoutException:
-            driver.save_screenshot(str(shots / "search.png"))
-            raise AssertionError(f"searching {word!r} showed no results within 30 s (screenshot: {shots})") from None
-        found = driver.find_elements(By.CSS_SELECTOR, results)
-        assert word in found[0].get_attribute("textContent").lower(), f"first search result for {word!r}: " \
-            f"{found[0].get_attribute('textContent')!r}"
-        driver.save_screenshot(str(shots / "search.png"))
+        for word in words:
+            box = driver.find_element(By.CSS_SELECTOR, "input.md-search__input")
+            if not box.is_displayed():
+                driver.find_element(By.CSS_SELECTOR, "label.md-header__button[for='__search']").click()
+            box.click()
+            box.clear()
+            box.send_keys(word)
+            results = "ol.md-search-result__list > li"
+            try:
+                wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, results))
+            except TimeoutException:
+                driver.save_screenshot(str(shots / f"search-{word}.png"))
+                raise AssertionError(f"searching {word!r} showed no results within 30 s (screenshot: {shots})") \
+                    from None
+            found = driver.find_elements(By.CSS_SELECTOR, results)
+            assert word.lower() in found[0].get_attribute("textContent").lower(), \
+                f"first search result for {word!r}: {found[0].get_attribute('textContent')!r}"
+            driver.save_screenshot(str(shots / f"search-{word}.png"))
+        return measured
     finally:
         if driver is not None:
             driver.quit()
@@ -704,7 +786,8 @@ def check_site_in_browser(site: Path, titles: list[str], shots: Path,
 
 @pytest.mark.integration
 def test_site_in_browser(tmp_path):
-    """The built site in headless Chromium: images load, navigation is complete and works, search finds."""
+    """The built site in headless Chromium at 1280 px: on every page images load, nothing comes from outside the
+    site, navigation is complete and works, and no code block or table is cut off; formulas render; search finds."""
     import yaml
 
     pytest.importorskip("selenium", reason="pip install -e '.[docs]'")
@@ -717,4 +800,8 @@ def test_site_in_browser(tmp_path):
     titles = _nav_titles(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
     shots = tmp_path / "screenshots"
     print(f"screenshots: {shots}")
-    check_site_in_browser(site, titles, shots)
+    measured = check_site_in_browser(site, titles, shots)
+    print(f"{len(measured)} pages at {VIEWPORT[0]} px: "
+          + ", ".join(f"{k} {sum(m[k] for m in measured.values())}" for k in ("code", "table", "math", "unmeasured")))
+    assert len(measured) >= len(titles), f"pages checked: {sorted(measured)}; the navigation has {titles}"
+    assert all(m["unmeasured"] == 0 for m in measured.values()), f"blocks with no width (hidden?): {measured}"
