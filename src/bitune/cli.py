@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from .commands.options import ArgumentParser, HelpFormatter
+from .commands.options import ArgumentParser, HelpFormatter, VerbParser
 from .errors import BituneError
 from .processes import ERROR_DIR_ENV
 
@@ -36,6 +36,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("bitune.commands.serve", "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"),
 }
 DEBUG_HELP = "show the full traceback of an unexpected error"
+EXTRAS: dict[str, str] = {"lm_eval": "eval", "scipy": "eval", "matplotlib": "plot", "fastapi": "serve",
+                          "uvicorn": "serve", "starlette": "serve", "trl": "trl"}
+"""The optional packages a verb may need, each with the extra of ``pyproject.toml`` that installs it."""
 
 
 def set_threads(threads: int | None) -> None:
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="bitune", description="Bitune: bidirectional instruction-tuning "
                                      "for decoder-only LLMs.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=VerbParser)
     for verb, (module, help_text) in VERBS.items():
         if verb in sys.argv[1:2] or "-h" in sys.argv[1:2] or "--help" in sys.argv[1:2] or len(sys.argv) < 2:
             p = sub.add_parser(verb, help=help_text, description=help_text, formatter_class=HelpFormatter)
@@ -64,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             sub.add_parser(verb, help=help_text)
     return parser
+
+
+def missing_extra(e: ModuleNotFoundError, verb: str) -> str | None:
+    """The error line for a verb whose optional extra is not installed (None: ``e`` is no extra's package)."""
+    package = (e.name or "").split(".")[0]
+    extra = EXTRAS.get(package)
+    if extra is None:
+        return None
+    return f"bitune {verb}: error: 'bitune {verb}' needs {package}, which is not installed: pip install \"bitune[{extra}]\""
 
 
 def error_line(e: BaseException) -> str:
@@ -114,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
+        extra = missing_extra(e, args.verb) if isinstance(e, ModuleNotFoundError) else None
+        if extra is not None:  # an optional extra that is not installed: a user error, not a bug
+            report_error(extra)
+            return 2
         report_error(f"bitune {args.verb}: error: unexpected {type(e).__name__}: {error_line(e)} "
                      f"(run with --debug for the traceback)")
         return 1

@@ -12,9 +12,23 @@ from typing import Any
 from .errors import BituneError, closest
 
 
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move the complete folder ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is done."""
+def replace_dir(src: Path, dst: Path, keep: tuple[str, ...] = ()) -> None:
+    """Move the complete folder ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is done.
+
+    Args:
+        keep: names of entries of ``dst`` that the writer did not write (a user's README.md, notes): copied into
+            ``src`` first (unless ``src`` has one of that name), so they survive the replacement; until the
+            rename, the originals stay where they are.
+    """
     if dst.exists():
+        for name in keep:
+            entry, copy = dst / name, src / name
+            if copy.exists() or not (entry.exists() or entry.is_symlink()):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, copy, symlinks=True)
+            else:
+                shutil.copy2(entry, copy, follow_symlinks=False)
         old = dst.with_name(f".{dst.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
@@ -80,13 +94,27 @@ def check_output_file(path: str | Path, what: str = "output file",
     return path
 
 
-def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
-    """Check, before any work, that ``path`` is (or can be created as) a folder this process may write into.
+def check_output_dir(path: str | Path, what: str = "output folder",
+                     keep: tuple[tuple[str, str | Path | None], ...] = ()) -> Path:
+    """Check, before any work, that ``path`` is (or can be created as) a folder this process may write into, and
+    that it neither is, holds nor lies inside any folder in ``keep``.
+
+    Args:
+        keep: ``(name, path)`` of what must stay as it is: what the command reads and what another saved artefact
+            needs (a checkpoint's base model). A ``None`` path is skipped.
 
     Raises:
         BituneError: naming ``what``, the path and the problem (also an empty or blank path).
     """
     path = Path(check_named(path, what)).expanduser()
+    target = path.resolve()
+    for name, kept in keep:
+        if kept is None:
+            continue
+        kept = Path(kept).expanduser().resolve()
+        if target == kept or target in kept.parents or kept in target.parents:
+            how = "is" if target == kept else "holds" if target in kept.parents else "is inside"
+            raise BituneError(f"{what} {path} {how} {name} {kept}, which must stay as it is; write somewhere else")
     if path.exists() and not path.is_dir():
         raise BituneError(f"{what} {path} is a file, not a folder")
     if path.is_dir():

@@ -5,12 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ..errors import BituneError
-from ..eval.evaluate import check_eval_options, evaluate_run
 from ..files import check_named, check_output_file
-from ..records import RESULT_FILE
+from ..records import RESULT_FILE, SCHEMA
 from .options import add_merge_option, add_prompt_passes_option, add_threads_option, model_inputs
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
@@ -78,9 +78,42 @@ def eval_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--no-merge"] if args.no_merge else [])
 
 
+def check_replaces_a_result(out: Path) -> None:
+    """An existing ``--output`` file is replaced only when it is an earlier evaluation result (re-evaluating a run
+    updates its record); any other file is not this command's to replace.
+
+    Raises:
+        BituneError: ``out`` exists and is not a result JSON (``"schema": "bitune-eval/..."``).
+    """
+    if not out.is_file():
+        return
+    try:
+        record = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        record = None
+    if not (isinstance(record, dict) and str(record.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/")):
+        raise BituneError(f"--output {out} exists and is not an evaluation result; it would be replaced: give "
+                          "another file, or move it away first")
+
+
+def check_processes(num_processes: int, limit: int | None) -> None:
+    """Every process must get work: each scores every N-th question of a task, and a process with none would
+    leave the others waiting for it at the gather (a crash of the whole job, not an idle process).
+
+    Raises:
+        BituneError: fewer than 1 process, or more processes than ``--limit`` questions per task.
+    """
+    if num_processes < 1:
+        raise BituneError(f"--num-processes must be >= 1, got {num_processes}")
+    if limit is not None and 1 <= limit < num_processes:
+        raise BituneError(f"--num-processes {num_processes} is more than --limit {limit} questions per task: every "
+                          f"process needs a question; use --num-processes {limit} or fewer")
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.num_processes < 1:
-        raise BituneError(f"--num-processes must be >= 1, got {args.num_processes}")
+    from ..eval.evaluate import check_eval_options, evaluate_run  # lm-eval (the eval extra), before anything else
+
+    check_processes(args.num_processes, args.limit)
     if args.checkpoint is not None:
         check_named(args.checkpoint, "--checkpoint")  # "" would be the current folder, searched below
     out = output_path(args)
@@ -88,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         ckpt_files = [p for p in Path(args.checkpoint).rglob("*") if p.is_file()] if args.checkpoint else []
         keep = tuple(("a file of the checkpoint", p) for p in ckpt_files if p.name != RESULT_FILE)
         check_output_file(out, "--output", keep=(*keep, *model_inputs(args)[1:]))  # and --model/--base folders
+        check_replaces_a_result(out)
     if args.num_processes > 1:
         from .launcher import launch
 

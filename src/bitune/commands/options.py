@@ -26,6 +26,21 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} --help\n")
 
 
+class VerbParser(ArgumentParser):
+    """The parser of a verb (and of a verb's own sub-verb): an argument it does not know is its error, named with
+    its own ``prog`` (``bitune chat: error: unrecognized arguments: --compile; see bitune chat --help``), not
+    passed up to ``bitune``'s parser, which would name neither the verb nor its help.
+
+    The innermost sub-parser gets every argument after its name, so the error names the deepest verb given.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps a verb's description (examples) as written and shows each option's default once (none shown
     for unset options, flags, or help that already says its default)."""

@@ -40,6 +40,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import matplotlib  # noqa: F401  (the plot extra: missing, it is named before any work)
+
     if args.figure == "attention" and args.max_labels < 0:
         raise BituneError(f"--max-labels must be >= 0 (0: no token labels), got {args.max_labels}")
     if args.figure == "attention":  # the rule generate applies to a prompt

@@ -26,8 +26,6 @@ from rich.table import Table
 from ..config import BituneConfig
 from ..data.datasets import load_examples
 from ..errors import BituneError
-from ..eval.evaluate import evaluate
-from ..eval.lm import BituneLM
 from ..files import check_output_dir, write_text_atomic
 from ..hub import DEFAULT_MODEL, load_model
 from ..model import BituneModel
@@ -60,6 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import lm_eval  # noqa: F401  (the eval extra, which scores the models: missing, it is named before any work)
+
     for name in ("steps", "train_examples", "eval_examples", "batch_size"):
         if getattr(args, name) < 1:
             raise BituneError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
 def quickstart(out: Path, steps: int = 30, train_examples: int = 120, eval_examples: int = 400,
                batch_size: int = 4, lr: float = 1e-3, seed: int = 42, model_name: str | None = None) -> dict:
     """Train LoRA and Bitune, score them and the pretrained model; returns (and writes) the results dict."""
+    from ..eval.evaluate import evaluate  # lm-eval: the eval extra
+    from ..eval.lm import BituneLM
+
     model_name = model_name or DEFAULT_MODEL
     t0 = time.time()
     print(f"quickstart: loading {model_name} and {TASK} (the first run downloads and converts them)")

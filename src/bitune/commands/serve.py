@@ -20,6 +20,14 @@ from .options import HelpFormatter, add_model_options
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
 KEY_ENV = "BITUNE_API_KEY"
+MAX_BATCH_WAIT_MS = 10_000
+"""The longest ``--batch-wait-ms``: a first request may then wait 10 x 10 s for a burst to gather."""
+OPTION_RANGES = (("--port", 0, 65535), ("--max-batch-size", 1, 1 << 16), ("--max-queue", 1, 1 << 20),
+                 ("--max-body-bytes", 1 << 10, 1 << 40), ("--drain-seconds", 0, 86400),
+                 ("--batch-wait-ms", 0, MAX_BATCH_WAIT_MS))
+"""Each numeric option's allowed range ``(flag, low, high)``, checked at start: below it no request could be
+served (a queue of 0 is always full, a body limit under 1 KiB refuses every request); above it a timer overflows
+in the model's thread or the value is no setting anyone means."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,12 +51,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how chat requests are written (default: the template the checkpoint was trained with)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together at most")
     parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests waiting for a batch slot at most; more are answered 503")
+                        help="requests waiting for a batch slot at most (>= 1); more are answered 503")
     parser.add_argument("--batch-wait-ms", type=float, default=20,
                         help="an idle server reads a burst of requests together: it waits while they keep coming, "
                              "each within this many ms of the one before (at most 10x this in all); 0: read each "
-                             "first request at once")
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+                             f"first request at once; at most {MAX_BATCH_WAIT_MS}")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (>= 1024: a "
+                        "smaller limit would refuse every request)")
     parser.add_argument("--drain-seconds", type=int, default=5,
                         help="on SIGTERM/Ctrl-C, time answers under way get to finish")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -56,10 +65,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def api_key(flag: str | None) -> str | None:
-    """The key clients must send: ``--api-key``, else ``$BITUNE_API_KEY`` if set and non-empty, else None."""
-    key = flag if flag is not None else os.environ.get(KEY_ENV) or None
-    if key is not None and not key.strip():
-        raise BituneError("--api-key is empty")
+    """The key clients must send: ``--api-key``, else ``$BITUNE_API_KEY`` if set and non-empty, else None.
+
+    Raises:
+        BituneError: the key (named by where it came from) is empty, has leading or trailing whitespace (a client
+            sends ``Authorization: Bearer KEY`` with it stripped, so no request could match), or holds a character
+            outside printable ASCII (an HTTP header carries no other).
+    """
+    where, key = ("--api-key", flag) if flag is not None else (f"${KEY_ENV}", os.environ.get(KEY_ENV) or None)
+    if key is None:
+        return None
+    if not key.strip():
+        raise BituneError(f"{where} is empty: give a key, or leave {where} unset to serve without one")
+    if key != key.strip():
+        raise BituneError(f"{where} has whitespace around the key ({key[:1]!r}...{key[-1:]!r}; e.g. a line end read "
+                          "from a file): clients send the key stripped, so no request could match; strip it")
+    if not all(" " <= c <= "~" for c in key):
+        bad = next(c for c in key if not " " <= c <= "~")
+        raise BituneError(f"{where} holds {bad!r}: an HTTP header carries printable ASCII only, so no client could "
+                          "send this key")
     return key
 
 
@@ -86,37 +110,43 @@ def check_address(host: str, port: int) -> None:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             s.bind((host, port))
     except OSError as e:
-        raise BituneError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        raise BituneError(f"--host {host} --port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
-def run(args: argparse.Namespace) -> int:
-    for flag, value, low in (("--port", args.port, 0), ("--max-batch-size", args.max_batch_size, 1),
-                             ("--max-queue", args.max_queue, 0), ("--max-body-bytes", args.max_body_bytes, 1),
-                             ("--drain-seconds", args.drain_seconds, 0), ("--batch-wait-ms", args.batch_wait_ms, 0)):
-        if value < low:
-            raise BituneError(f"{flag} {value}: must be >= {low}")
-    if not math.isfinite(args.batch_wait_ms):
-        raise BituneError(f"--batch-wait-ms {args.batch_wait_ms}: must be a finite number of milliseconds")
-    if args.port > 65535:
-        raise BituneError(f"--port {args.port}: must be <= 65535")
+def check_options(args: argparse.Namespace) -> None:
+    """Every option in its range, before anything loads: a value outside it would start a server that answers
+    every request with an error (a queue of 0 is always full, a body limit below a request refuses them all, a
+    batch wait past a thread's longest wait kills the model's thread).
+
+    Raises:
+        BituneError: naming the option, its value and the range.
+    """
+    for flag, low, high in OPTION_RANGES:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if not math.isfinite(value) or not low <= value <= high:
+            raise BituneError(f"{flag} {value}: must be {'' if math.isfinite(value) else 'a finite number '}in "
+                              f"[{low}, {high}]")
+    if not args.host.strip():
+        raise BituneError(f"--host {args.host!r} is empty: give an address to listen on, e.g. 127.0.0.1 (this "
+                          "machine) or 0.0.0.0 (every interface)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise BituneError("--served-model-name is empty: clients name the model in every request; give a name or "
                           "leave the option out (default: the checkpoint or model)")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_options(args)
     key = api_key(args.api_key)
     warning = exposure_warning(args.host, key)
     if warning:
         print(warning, file=sys.stderr)
     check_address(args.host, args.port)  # before the model loads
-    try:
-        import uvicorn
+    import uvicorn  # the serve extra: bitune.cli names it when it is missing
 
-        from ..serve.app import Served, create_app
-        from ..serve.scheduler import Scheduler
-    except ImportError as e:
-        raise BituneError(f"bitune serve needs the 'serve' extra ({e.name} is missing): "
-                          "pip install 'bitune[serve]'") from e
     from ..generation import pick_template
     from ..loading import load_bitune
+    from ..serve.app import Served, create_app
+    from ..serve.scheduler import Scheduler
 
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
                                    args.prompt_passes, merge=not args.no_merge)

@@ -20,9 +20,7 @@ from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
-from ..eval.evaluate import check_eval_options, evaluate_run, quiet_lm_eval
 from ..eval.report import aggregate, load_records, print_report, write_report
-from ..eval.tasks import PREFIX, make_tasks, task_split
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
 from ..records import RESULT_FILE, record_splits
@@ -130,6 +128,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads_option(parser)
 
 
+def evaluate_run(**kwargs) -> dict | None:
+    """:func:`bitune.eval.evaluate.evaluate_run`, imported when a run is evaluated (lm-eval: the ``eval`` extra,
+    whose absence :func:`run` reports before anything trains)."""
+    from ..eval.evaluate import evaluate_run as evaluate
+
+    return evaluate(**kwargs)
+
+
 def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
     """Whether ``result`` (a run's ``eval.json``) exists and holds this sweep's tasks (``{task: split}``) and
     ``--limit``; one that holds others is an error (a report from it would show other questions than asked for).
@@ -148,6 +154,9 @@ def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..eval.evaluate import check_eval_options, quiet_lm_eval  # lm-eval (the eval extra): before anything trains
+    from ..eval.tasks import PREFIX, make_tasks, task_split
+
     methods, seeds = parse_methods(args.methods), parse_seeds(args.seeds)
     check_eval_options(args.limit, args.batch_size)  # before anything trains
     base_model = load_settings(args.config, args.overrides).model  # validates the config up front

@@ -177,8 +177,9 @@ _router = APIRouter()
 @_router.get("/health")
 async def health(scheduler: SchedulerDep):
     if not scheduler.healthy:
-        return JSONResponse({"status": "down", "error": scheduler.failure or "the model's thread is not running"},
-                            503)
+        why = scheduler.failure or ("the server is shutting down" if scheduler.closing
+                                    else "the model's thread is not running")
+        return JSONResponse({"status": "down", "error": why}, 503)
     return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
 
 
@@ -356,9 +357,15 @@ class Gate:
     Args:
         api_key: the key clients send as ``Authorization: Bearer KEY``; None accepts every request.
         max_body_bytes: larger request bodies are answered 413 (also when sent without a Content-Length).
+
+    Raises:
+        BituneError: ``api_key`` is empty or has whitespace around it (the client's token is compared stripped).
     """
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+            raise BituneError(f"API key {api_key!r}: empty, or whitespace around it; clients send the key stripped, "
+                              "so no request could match")
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
 
     async def __call__(self, scope, receive, send):
@@ -398,13 +405,6 @@ class Gate:
 
     def _too_large(self) -> dict:
         return api.error_body(f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large")
-
-
-async def _send_error(send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
 
 
 async def _send_error(send, status: int, body: dict) -> None:

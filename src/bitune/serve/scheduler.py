@@ -155,8 +155,10 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64, batch_wait: float = 0.02):
-        if max_batch_size < 1 or max_queue < 0 or not batch_wait >= 0:
-            raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and batch_wait >= 0")
+        if max_batch_size < 1 or max_queue < 1 or not 0 <= batch_wait <= threading.TIMEOUT_MAX / 10:
+            raise ValueError(f"max_batch_size must be >= 1 (got {max_batch_size}), max_queue >= 1 (got {max_queue}: "
+                             f"0 refuses every request) and batch_wait in [0, {threading.TIMEOUT_MAX / 10:g}] s "
+                             f"(got {batch_wait})")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_queue, self.batch_wait = max_batch_size, max_queue, batch_wait
         self.device = next(model.parameters()).device
@@ -197,8 +199,14 @@ class Scheduler:
 
     @property
     def healthy(self) -> bool:
-        """Whether requests can be served: the thread runs (or has not started) and has not failed."""
-        return self.failure is None and (self._thread.is_alive() or not self._thread.ident)
+        """Whether requests can be served: the thread runs (or has not started), has not failed and is not
+        shutting down (:meth:`submit` then refuses every request)."""
+        return self.failure is None and not self._closing and (self._thread.is_alive() or not self._thread.ident)
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`stop` was called: no new request is taken."""
+        return self._closing
 
     @property
     def waiting(self) -> int:

@@ -1,0 +1,239 @@
+"""What unseen inputs must not break (issue 41), one test per class, each over the members found in the code:
+nothing another artefact needs or the command did not write is replaced or deleted (byte-identical manifests);
+no crash where an error is due (also on a core install without the extras); no server that starts and cannot
+serve; every error names what the user gave."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bitune.cli import EXTRAS, VERBS, main
+from helpers.gen import save_checkpoint
+from helpers.models import perturb_adapters, tiny_bitune
+
+
+def manifest(*folders: Path) -> dict[str, str]:
+    """``path -> sha256`` of every file under ``folders`` (and the folders' entries, so an added file shows)."""
+    out = {}
+    for folder in folders:
+        for p in sorted(folder.rglob("*")):
+            if p.is_file():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def one_error_line(capsys, verb: str) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith(f"bitune {verb}: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------- 1. data replaced or deleted
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """``base`` (a plain model) <- ``ckpt`` (a checkpoint) exported to ``exported`` <- ``on_export`` (a checkpoint
+    trained on that export): the folders an export must never replace."""
+    root = tmp_path_factory.mktemp("chain")
+    ckpt, _ = save_checkpoint(root)
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(root / "exported")]) == 0
+    on_export = perturb_adapters(tiny_bitune(base_model=str(root / "exported")))
+    on_export.save_pretrained(root / "on_export")
+    return root
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--checkpoint", "{on_export}", "--merged", "{exported}"], "the checkpoint's base model"),  # the issue's case
+    (["--checkpoint", "{ckpt}", "--merged", "{exported}", "--base", "{exported}"], "--base"),
+    (["--checkpoint", "{on_export}", "--merged", "{base}"], "the base model of"),  # the base of the base
+    (["--checkpoint", "{ckpt}", "--merged", "{root}"], "overlaps"),  # a folder around what it needs
+    (["--checkpoint", "{on_export}", "--merged", "{exported}/sub"], "is inside"),
+], ids=["recorded-base", "given-base", "base-of-base", "around", "inside"])
+def test_export_never_replaces_what_a_checkpoint_needs(chain, argv, named, capsys):
+    names = {"root": chain, "base": chain / "base", "ckpt": chain / "ckpt", "exported": chain / "exported",
+             "on_export": chain / "on_export"}
+    before = manifest(chain)
+    assert main(["export", *(a.format(**names) for a in argv)]) == 2
+    assert named in one_error_line(capsys, "export")
+    assert manifest(chain) == before
+
+
+def test_export_keeps_the_users_own_files_and_says_so(chain, tmp_path, capsys):
+    out = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(chain / "ckpt"), "--merged", str(out)]) == 0
+    (out / "README.md").write_text("my notes on this export\n")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.txt").write_text("0.51\n")
+    mine = manifest(out / "eval") | {str(out / "README.md"): manifest(out)[str(out / "README.md")]}
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(chain / "ckpt"), "--merged", str(out)]) == 0
+    assert "kept README.md, eval" in capsys.readouterr().out
+    after = manifest(out)
+    assert {k: after.get(k) for k in mine} == mine and (out / "config.json").is_file()
+
+
+def test_eval_output_replaces_an_earlier_result_only(chain, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "data"}\n')
+    before = manifest(tmp_path, chain)
+    assert main(["eval", "--checkpoint", str(chain / "ckpt"), "--tasks", "piqa", "--output", str(mine)]) == 2
+    assert "not an evaluation result" in one_error_line(capsys, "eval")
+    assert manifest(tmp_path, chain) == before
+
+
+# ------------------------------------------------------------------------------- 2. crashes instead of errors
+BLOCKER = """
+import sys
+from importlib.machinery import PathFinder
+BLOCKED = set(sys.argv[1].split(","))
+class Blocked(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.split(".")[0] in BLOCKED else PathFinder.find_spec(name, path, target)
+sys.meta_path[:] = [Blocked if f is PathFinder else f for f in sys.meta_path]
+"""
+
+CORE_RUN = """
+import contextlib, io, json, sys
+from bitune.cli import main
+results = []
+for argv in json.loads(sys.argv[2]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append([code, err.getvalue()])
+print("RESULTS" + json.dumps(results))
+"""
+
+NEEDS = [(["eval", "--model", "x"], "eval"), (["sweep", "--output-dir", "{tmp}/sweep"], "eval"),
+         (["quickstart", "--output-dir", "{tmp}/quick"], "eval"),
+         (["plot", "mixing", "--log", "{tmp}/log.jsonl", "--output", "{tmp}/fig"], "plot"),
+         (["serve", "--model", "x", "--port", "0"], "serve"), (["bench", "eval"], "eval")]
+"""Each verb that needs an extra, and the extra."""
+
+
+def test_core_install_help_of_every_verb_and_one_line_naming_a_missing_extra(tmp_path):
+    """As on ``pip install -e .`` without extras: the extras' packages cannot be imported."""
+    (tmp_path / "log.jsonl").write_text("")
+    runs = [[verb, "--help"] for verb in VERBS] + [[a.format(tmp=tmp_path) for a in argv] for argv, _ in NEEDS]
+    code = BLOCKER + CORE_RUN
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code, ",".join(EXTRAS) + ",mkdocs", json.dumps(runs)],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert "RESULTS" in out.stdout, out.stderr[-3000:]
+    results = json.loads(out.stdout.split("RESULTS", 1)[1])
+    for (verb, _), (status, err) in zip(runs[:len(VERBS)], results):
+        assert status == 0, f"bitune {verb} --help: {err}"
+    for (argv, extra), (status, err) in zip(NEEDS, results[len(VERBS):]):
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, (argv, err)
+        assert lines[0].startswith(f"bitune {argv[0]}: error: 'bitune {argv[0]}' needs ")
+        assert lines[0].endswith(f'pip install "bitune[{extra}]"'), lines[0]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "quick").exists() and not (tmp_path / "fig").exists()
+
+
+@pytest.mark.parametrize("limit, processes", [(2, 3), (1, 2), (1, 16)])
+def test_eval_refuses_processes_beyond_the_questions_before_launching(chain, monkeypatch, capsys, limit, processes):
+    pytest.importorskip("lm_eval")
+    import bitune.commands.launcher
+
+    def launch(*args):
+        raise AssertionError("launched: a process without a question ends the job in a gloo error")
+
+    monkeypatch.setattr(bitune.commands.launcher, "launch", launch)
+    before = manifest(chain)
+    assert main(["eval", "--checkpoint", str(chain / "ckpt"), "--tasks", "piqa", "--limit", str(limit),
+                 "--num-processes", str(processes)]) == 2
+    line = one_error_line(capsys, "eval")
+    assert f"--num-processes {processes}" in line and f"--limit {limit}" in line
+    assert manifest(chain) == before
+
+
+# ------------------------------------------------------------------------------- 3. servers that cannot serve
+@pytest.mark.parametrize("option, value", [
+    ("--max-queue", "0"), ("--batch-wait-ms", "1e300"), ("--batch-wait-ms", "inf"), ("--batch-wait-ms", "-1"),
+    ("--max-body-bytes", "10"), ("--port", "70000"), ("--port", "-1"), ("--max-batch-size", "0"),
+    ("--drain-seconds", "-1"), ("--drain-seconds", "100000")])
+def test_serve_refuses_an_option_out_of_range_before_loading(tmp_path, capsys, option, value):
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0", option, value]) == 2
+    line = one_error_line(capsys, "serve")
+    assert line.startswith(f"bitune serve: error: {option} ") and "must be" in line and "checkpoint" not in line
+
+
+@pytest.mark.parametrize("flag, env, named", [
+    (None, "s3cret\r\n", "$BITUNE_API_KEY"), (None, "s3cret\n", "$BITUNE_API_KEY"), (None, " ", "$BITUNE_API_KEY"),
+    (" s3cret", None, "--api-key"), ("s3cret\t", None, "--api-key"), ("clé", None, "--api-key")])
+def test_serve_refuses_a_key_no_client_could_send(tmp_path, monkeypatch, capsys, flag, env, named):
+    if env is None:
+        monkeypatch.delenv("BITUNE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("BITUNE_API_KEY", env)
+    argv = ["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0"]
+    assert main(argv + (["--api-key", flag] if flag is not None else [])) == 2
+    line = one_error_line(capsys, "serve")
+    assert f"error: {named} " in line and "checkpoint" not in line
+
+
+def test_health_is_down_while_no_request_can_be_served():
+    from bitune.serve.scheduler import QueueFull, Scheduler
+    from helpers.serve import IdTokenizer, scheduler_model
+
+    model = scheduler_model("llama")
+    with pytest.raises(ValueError, match="max_queue"):
+        Scheduler(model, IdTokenizer(), max_queue=0)  # every request would be "busy"
+    with pytest.raises(ValueError, match="batch_wait"):
+        Scheduler(model, IdTokenizer(), batch_wait=1e300)  # the model's thread would die on its first request
+    scheduler = Scheduler(model, IdTokenizer())
+    assert scheduler.healthy
+    scheduler.stop()  # shutting down: submit refuses every request from here on
+    with pytest.raises(QueueFull):
+        from bitune.serve.scheduler import Job
+
+        scheduler.submit(Job(prompt=[1, 2], max_tokens=1))
+    assert not scheduler.healthy
+
+
+# ------------------------------------------------------------------------------- 6. errors naming the wrong thing
+@pytest.mark.parametrize("argv, prog", [
+    (["chat", "--model", "x", "--compile"], "bitune chat"),
+    (["generate", "--model", "x", "--prompt", "hi", "--bogus"], "bitune generate"),
+    (["export", "--checkpoint", "c", "--merged", "m", "--no-merge"], "bitune export"),
+    (["plot", "mixing", "--log", "l", "--output", "o", "--bogus"], "bitune plot mixing"),
+    (["bench", "train", "--bogus"], "bitune bench train"),
+    (["serve", "--model", "x", "stray"], "bitune serve")])
+def test_an_unknown_argument_names_the_verb_and_its_help(capsys, argv, prog):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"{prog}: error: unrecognized arguments: ") and err.endswith(f"see {prog} --help"), err
+
+
+@pytest.mark.parametrize("argv, env, named", [
+    (["--host", ""], {}, "--host"), (["--host", "  "], {}, "--host"),
+    ([], {"BITUNE_API_KEY": "  "}, "$BITUNE_API_KEY")])
+def test_serve_errors_name_what_the_user_gave(tmp_path, monkeypatch, capsys, argv, env, named):
+    monkeypatch.delenv("BITUNE_API_KEY", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0", *argv]) == 2
+    line = one_error_line(capsys, "serve")
+    assert line.startswith(f"bitune serve: error: {named} ") and "--api-key" not in line, line
+
+
+def test_serve_app_defines_each_function_once():
+    source = Path(__file__).parents[1].joinpath("src/bitune/serve/app.py").read_text()
+    names = [line.split("(")[0] for line in source.splitlines() if line.startswith(("def ", "async def "))]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
