@@ -91,7 +91,7 @@ def test_paired_differences_and_mcnemar_per_seed():
                paired_record("bitune", 42, bitune[0]), paired_record("bitune", 43, bitune[1]),
                paired_record("pretrained", None, [1] * 25 + [0] * 75)]
     tasks, skipped = collect_runs(records)
-    assert not skipped and list(tasks["arc_challenge"].methods) == ["bitune", "lora", "pretrained"]  # by name
+    assert not skipped and list(tasks["arc_challenge"].methods) == ["pretrained", "bitune", "lora"]  # then by name
     rows = {(r[2], r[3]): r for r in difference_rows(tasks, ["lora", "pretrained"])}
     row = rows[("bitune", "lora")]
     assert row[1] == str(n) and row[4] == "2"

@@ -1,6 +1,7 @@
 """A study's own report settings: which methods a report shows first and in which order, and which baselines
 ``bitune`` is matched against. They live beside the runs, in a ``report.yaml`` the study writes; the library knows
-no study's method names. Without the file, methods appear alphabetically and ``bitune`` is paired with every other
+no study's method names. Without the file, the untrained ``pretrained`` baseline comes first and the other methods
+follow by name, and ``bitune`` is paired with every other
 method.
 
 Example ``report.yaml``::
@@ -26,9 +27,9 @@ SETTINGS_FILE = "report.yaml"
 class ReportSettings:
     """How one study's report orders and pairs its methods."""
 
-    methods: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("pretrained",)
     """Methods shown first, in this order (rows, the summary's columns, the figure); every other method follows
-    by name."""
+    by name. Default: the untrained baseline first."""
     fair_baselines: tuple[str, ...] | None = None
     """Methods ``bitune`` is paired with besides ``--baselines``: e.g. those matching its trainable parameters or
     its training compute. None (the default): every other method that is not one of the paper's ablations."""
