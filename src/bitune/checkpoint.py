@@ -16,7 +16,6 @@ Loading is strict (every tensor must match).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -28,13 +27,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import BituneConfig
-from .errors import BituneError
-from .files import apply_umask, check_named, read_text, replace_dir
+from .config import CONFIG_FILE, read_config
+from .files import apply_umask, replace_dir
 from .modelcard import CARD_FILE, Training, is_ours
 from .modelcard import write as write_card
 
-CONFIG_FILE = "bitune_config.json"
 MIXER_FILE = "mixer.safetensors"
 WEIGHT_SETS = ("causal", "bidir")
 """Folder names of the weight sets a checkpoint can hold."""
@@ -164,37 +161,6 @@ def load_weights(model, directory: str | os.PathLike) -> None:
         else:
             path = directory / "bidir" / FULL_FILE
             _copy_exactly({k.replace(".", "__"): p for k, p in params.items()}, _read_safetensors(path), path)
-
-
-def read_config(directory: str | os.PathLike) -> BituneConfig:
-    """The :class:`BituneConfig` a checkpoint folder records.
-
-    Older checkpoints still load: one written before templates were recorded was trained with ``paper``; one
-    written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a runtime choice now).
-    """
-    directory = Path(check_named(directory, "the checkpoint folder"))
-    path = directory / CONFIG_FILE
-    if not path.is_file():
-        if not directory.exists():
-            raise BituneError(f"{directory} is not a Bitune checkpoint: no such folder")
-        if not directory.is_dir():
-            raise BituneError(f"{directory} is not a Bitune checkpoint: it is a file, not a folder")
-        inner = [p.parent for p in directory.glob(f"*/{CONFIG_FILE}")]  # a run folder: final/, checkpoint-N/
-        step = {p: p.name.rpartition("-")[2] for p in inner}
-        newest = max(inner, key=lambda p: (p.name == "final", int(step[p]) if step[p].isdigit() else -1),
-                     default=None)
-        hint = f"; did you mean {newest}, the checkpoint in it?" if newest else ""
-        raise BituneError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing{hint}")
-    try:
-        data = json.loads(read_text(path, "Bitune config"))
-        if isinstance(data, dict):
-            data.setdefault("template", "paper")
-            data.pop("prompt_passes", None)
-        return BituneConfig.from_dict(data)
-    except BituneError:
-        raise
-    except (ValueError, TypeError) as e:  # bad JSON, not an object, unknown keys, a field of the wrong type or value
-        raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -9,10 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .errors import did_you_mean
+from .errors import BituneError, did_you_mean
+from .files import check_named, read_text
+
+CONFIG_FILE = "bitune_config.json"
+"""The file a checkpoint records its :class:`BituneConfig` in."""
 
 VARIANTS: dict[str, str] = {
     "bitune": "causal + bidirectional prompt passes with separate weights, mixed per layer (the method)",
@@ -193,4 +199,36 @@ def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
         raise ValueError(f"BituneConfig.{name}={value!r} is not one of {sorted(allowed)}{hint}")
 
 
-__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES", "PROMPT_PASSES"]
+def read_config(directory: str | os.PathLike) -> BituneConfig:
+    """The :class:`BituneConfig` a checkpoint folder records.
+
+    Older checkpoints still load: one written before templates were recorded was trained with ``paper``; one
+    written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a runtime choice now).
+    """
+    directory = Path(check_named(directory, "the checkpoint folder"))
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        if not directory.exists():
+            raise BituneError(f"{directory} is not a Bitune checkpoint: no such folder")
+        if not directory.is_dir():
+            raise BituneError(f"{directory} is not a Bitune checkpoint: it is a file, not a folder")
+        inner = [p.parent for p in directory.glob(f"*/{CONFIG_FILE}")]  # a run folder: final/, checkpoint-N/
+        step = {p: p.name.rpartition("-")[2] for p in inner}
+        newest = max(inner, key=lambda p: (p.name == "final", int(step[p]) if step[p].isdigit() else -1),
+                     default=None)
+        hint = f"; did you mean {newest}, the checkpoint in it?" if newest else ""
+        raise BituneError(f"{directory} is not a Bitune checkpoint: {CONFIG_FILE} is missing{hint}")
+    try:
+        data = json.loads(read_text(path, "Bitune config"))
+        if isinstance(data, dict):
+            data.setdefault("template", "paper")
+            data.pop("prompt_passes", None)
+        return BituneConfig.from_dict(data)
+    except BituneError:
+        raise
+    except (ValueError, TypeError) as e:  # bad JSON, not an object, unknown keys, a field of the wrong type or value
+        raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
+
+
+__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES", "PROMPT_PASSES", "CONFIG_FILE",
+           "read_config"]

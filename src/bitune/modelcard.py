@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCardData
 
-from .config import METHODS, TEMPLATES, VARIANTS, BituneConfig
+from .config import METHODS, TEMPLATES, VARIANTS, BituneConfig, read_config
 from .files import write_text_atomic
 from .records import RESULT_FILE as EVAL_FILE
 from .records import SCHEMA as EVAL_SCHEMA
@@ -497,12 +497,10 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool | None = None, t
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from . import checkpoint
-
     folder = Path(folder)
     if not HUB_ID.match(repo_id):
         raise ValueError(f"push_to_hub: repo_id {repo_id!r} is not a Hub id (owner/name)")
-    config = checkpoint.read_config(folder)
+    config = read_config(folder)
     files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path))
                   for name, path in files.items() if name not in (CARD_FILE, EVAL_FILE)]
