@@ -78,10 +78,7 @@ def check_output_file(path: str | Path, what: str = "output file",
     """
     path = Path(check_named(path, what)).expanduser()
     target = path.resolve()
-    for name, kept in keep:
-        if kept is None:
-            continue
-        kept = Path(kept).expanduser().resolve()
+    for name, kept in _resolved(keep):
         if target == kept or (kept.is_dir() and kept in target.parents):
             raise BituneError(f"{what} {path} would overwrite {name} {kept}; write somewhere else" if target == kept
                               else f"{what} {path} is inside {name} {kept}, which must stay as it is; write "
@@ -92,6 +89,11 @@ def check_output_file(path: str | Path, what: str = "output file",
     if path.exists() and not os.access(path, os.W_OK):
         raise BituneError(f"{what} {path} exists and is not writable (permission denied)")
     return path
+
+
+def _resolved(keep: tuple[tuple[str, str | Path | None], ...]) -> list[tuple[str, Path]]:
+    """The ``(name, path)`` pairs of ``keep`` that name a path, each path resolved (``None`` ones skipped)."""
+    return [(name, Path(kept).expanduser().resolve()) for name, kept in keep if kept is not None]
 
 
 def check_output_dir(path: str | Path, what: str = "output folder",
@@ -108,10 +110,7 @@ def check_output_dir(path: str | Path, what: str = "output folder",
     """
     path = Path(check_named(path, what)).expanduser()
     target = path.resolve()
-    for name, kept in keep:
-        if kept is None:
-            continue
-        kept = Path(kept).expanduser().resolve()
+    for name, kept in _resolved(keep):
         if target == kept or target in kept.parents or kept in target.parents:
             how = "is" if target == kept else "holds" if target in kept.parents else "is inside"
             raise BituneError(f"{what} {path} {how} {name} {kept}, which must stay as it is; write somewhere else")

@@ -20,15 +20,13 @@ from ..hub import load_model
 from ..model import BituneModel
 from ..train import load_settings
 from ..train.recipe import load_data
-from .helpers import device_dtype
+from .helpers import device_dtype, shown
 from .train import step
 
 
 def bench_data(args) -> dict:
     """``bitune bench data``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    result = measure(args)
-    render(result)
-    return result
+    return shown(measure(args), render)
 
 
 def measure(args) -> dict:

@@ -13,7 +13,7 @@ from rich.table import Table
 from ..config import BituneConfig
 from ..hub import load_model
 from ..model import BituneModel
-from .helpers import device_dtype, int_list, random_prompts, timed
+from .helpers import device_dtype, int_list, random_prompts, shown, timed
 
 PROFILE_GROUPS = {
     "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "aten::linear", "aten::matmul"),
@@ -25,9 +25,7 @@ PROFILE_GROUPS = {
 
 def bench_decode(args) -> dict:
     """``bitune bench decode``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    result = measure(args)
-    render(result)
-    return result
+    return shown(measure(args), render)
 
 
 def measure(args) -> dict:

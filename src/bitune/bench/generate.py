@@ -16,7 +16,7 @@ from rich.table import Table
 
 from ..decoding import decode_compile_config
 from ..hub import load_model
-from .helpers import build, device_dtype, interleaved, random_prompts, sync
+from .helpers import build, device_dtype, interleaved, random_prompts, shown, sync
 
 
 class TokenClock:
@@ -52,9 +52,7 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 def bench_generate(args) -> dict:
     """``bitune bench generate``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    result = measure(args)
-    render(result)
-    return result
+    return shown(measure(args), render)
 
 
 @torch.no_grad()

@@ -135,3 +135,10 @@ def int_list(text: str, option: str, low: int) -> list[int]:
 def write_json(result: dict, path: str | Path) -> None:
     """Write a benchmark's record as indented JSON (atomically: a reader never sees half a file)."""
     write_text_atomic(Path(path), json.dumps(result, indent=2))
+
+
+def shown(record: dict, render) -> dict:
+    """Print a benchmark's ``record`` with its ``render`` function and return it (a ``bitune bench`` verb:
+    measure, then render, then hand the numbers on)."""
+    render(record)
+    return record

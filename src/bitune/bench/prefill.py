@@ -13,14 +13,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ..hub import load_model
-from .helpers import build, device_dtype, int_list, random_prompts, timed
+from .helpers import build, device_dtype, int_list, random_prompts, shown, timed
 
 
 def bench_prefill(args) -> dict:
     """``bitune bench prefill``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    result = measure(args)
-    render(result)
-    return result
+    return shown(measure(args), render)
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BituneError
-from .helpers import interleaved
+from .helpers import interleaved, shown
 
 TEXT = ("The history of science is the study of the development of science and scientific knowledge, including "
         "both the natural and social sciences. Science is a body of empirical, theoretical, and practical "
@@ -278,9 +278,7 @@ def checkpoints(args, work: Path) -> dict[str, str]:
 
 def bench_serve(args) -> dict:
     """``bitune bench serve``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    record = measure(args)
-    render(record)
-    return record
+    return shown(measure(args), render)
 
 
 def measure(args) -> dict:

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from .helpers import build, count_saved, device_dtype, random_batch, sync
+from .helpers import build, count_saved, device_dtype, random_batch, shown, sync
 
 PATHS = ("fused", "batched", "sequential")
 """The ways a Bitune model can run its passes (``prompt_passes``), each timed."""
@@ -61,9 +61,7 @@ def _lengths(text: str) -> list[tuple[int, int]]:
 
 def bench_train(args) -> dict:
     """``bitune bench train``: measure (:func:`measure`), print (:func:`render`), return the record."""
-    result = measure(args)
-    render(result)
-    return result
+    return shown(measure(args), render)
 
 
 def measure(args) -> dict:
