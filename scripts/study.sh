@@ -94,9 +94,16 @@ part4() {
     local dir="$out/$task" tdir="$out/tuning/$task" steps  # reported-split runs; tuning-split runs and picks
     mkdir -p "$dir" "$tdir"
     steps=$(PYTHONPATH= "$py" -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['steps'])" "$conf/$task.yaml")
-    if [ ! -f "$out/bench/data_$task.json" ]; then
+    if [ ! -f "$out/bench/data_$task.json" ]; then  # the step-cost factor wants a quiet machine: wait for one
       mkdir -p "$out/bench"
+      for _ in $(seq 30); do
+        awk '{exit !($1 < 0.5)}' /proc/loadavg && break
+        echo "study part 4: waiting for a quiet machine to measure the step costs (load $(cut -d' ' -f1 /proc/loadavg))" >&2
+        sleep 60
+      done
+      cut -d' ' -f1-3 /proc/loadavg > "$out/bench/data_$task.load"
       "$BITUNE" bench data --config "$conf/$task.yaml" --steps 5 --rounds 3 --output "$out/bench/data_$task.json"
+      cut -d' ' -f1-3 /proc/loadavg >> "$out/bench/data_$task.load"
     fi
     if [ ! -f "$dir/lora_compute.yaml" ]; then
       "$py" - "$out/bench/data_$task.json" "$steps" "$dir/lora_compute.yaml" <<'PY'
