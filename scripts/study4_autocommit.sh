@@ -23,7 +23,7 @@ while true; do
       done
     fi
   done
-  for f in "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml; do
+  for f in "$OUT"/bench/*.json "$OUT"/bench/*.load "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml; do
     [ -f "$f" ] || continue
     if [ -n "$(git status --porcelain -- "$f")" ]; then
       git add -- "$f" && git commit -q -m "study part 4: ${f#results/} written" --only -- "$f"
