@@ -58,6 +58,8 @@ def on_files(files: Files, config) -> Files:
                 files.append(_static(f"results/{study}/{name}", config))
         if (folder / "report.md").exists():
             files.append(File.generated(config, f"results/{study}/report.md", content=report_page(study)))
+        for figure in sorted(folder.glob("*/training.png")):  # scripts/study_figures.py, one per task
+            files.append(_static(figure.relative_to(ROOT).as_posix(), config))
     for path in sorted((ROOT / BENCH).glob("*.json")):
         files.append(_static(f"{BENCH}/{path.name}", config))
     return files
