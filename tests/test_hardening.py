@@ -89,6 +89,104 @@ def test_eval_output_replaces_an_earlier_result_only(chain, tmp_path, capsys):
     assert manifest(tmp_path, chain) == before
 
 
+OUTPUTS = {  # an option that writes a file: the command line (before anything loads), what it replaces
+    "generate": (["generate", "--model", "{base}", "--input", "{prompts}", "--output", "{out}"],
+                 "answers written by bitune generate"),
+    "chat": (["chat", "--model", "{base}", "--save", "{out}"], "a conversation saved by bitune chat"),
+    "bench": (["bench", "train", "--model", "{base}", "--output", "{out}"], "a benchmark record"),
+}
+
+
+@pytest.mark.parametrize("verb", OUTPUTS)
+@pytest.mark.parametrize("mine", ["notes.jsonl", "notes.json", "prompts"])
+def test_an_output_file_replaces_only_an_earlier_output_of_its_kind(chain, tmp_path, monkeypatch, capsys, verb, mine):
+    """A file of the user's (their notes, even the prompts file the command reads) at --output/--save is refused
+    with one line naming the option, the file and the way on, before the model loads; nothing changes."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    out = prompts if mine == "prompts" else tmp_path / mine
+    if mine != "prompts":
+        out.write_text('{"my": "data"}\n')
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n"))
+    argv, kind = OUTPUTS[verb]
+    before = manifest(tmp_path, chain)
+    assert main([a.format(base=chain / "base", prompts=prompts, out=out) for a in argv]) == 2
+    line = one_error_line(capsys, verb)
+    assert str(out) in line and ("would overwrite --input" in line if (verb, mine) == ("generate", "prompts")
+                                 else f"is not {kind}" in line and "move it away first" in line), line
+    assert manifest(tmp_path, chain) == before
+
+
+@pytest.mark.parametrize("verb", ["chat", "bench"])
+def test_an_output_file_never_lies_inside_the_model_it_reads(chain, capsys, verb):
+    before = manifest(chain)
+    argv, _ = OUTPUTS[verb]
+    out = chain / "base" / "notes.json"
+    assert main([a.format(base=chain / "base", prompts="", out=out) for a in argv]) == 2
+    assert f"is inside --model {chain / 'base'}" in one_error_line(capsys, verb)
+    assert manifest(chain) == before
+
+
+def test_generate_replaces_its_earlier_answers(chain, tmp_path, capsys):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "answers.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    argv = ["generate", "--checkpoint", str(chain / "ckpt"), "--input", str(prompts), "--output", str(out),
+            "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    out.write_text(out.read_text().replace('"output": ', '"earlier": 1, "output": '))
+    assert main(argv) == 0 and '"earlier"' not in out.read_text()
+
+
+def _train_config(tmp_path: Path, run: Path, model: Path, data: Path) -> Path:
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": str(model), "dataset": str(data), "output_dir": str(run), "steps": 1,
+                                  "batch_size": 1, "grad_accum": 1, "max_length": 32, "log_every": 1}))
+    return config
+
+
+def _old_run(chain, run: Path) -> None:
+    """A finished run in ``run``: what ``--overwrite`` deletes."""
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}\n")
+    (run / "checkpoint-2").mkdir()
+    (run / "log.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+
+
+@pytest.mark.parametrize("model_in, data_in", [("final/base", "data.jsonl"), ("base", "checkpoint-2/data.jsonl"),
+                                               ("final", "checkpoint-2/data.jsonl")])
+def test_train_overwrite_never_deletes_its_own_base_model_or_data(chain, tmp_path, capsys, model_in, data_in):
+    import shutil
+
+    run = tmp_path / "run"
+    _old_run(chain, run)
+    shutil.copytree(chain / "base", run / model_in, dirs_exist_ok=True)
+    (run / data_in).write_text('{"instruction": "a", "output": "b"}\n')
+    config = _train_config(tmp_path, run, run / model_in, run / data_in)
+    before = manifest(tmp_path)
+    assert main(["train", "--config", str(config), "--overwrite"]) == 2
+    line = one_error_line(capsys, "train")
+    assert "which a run writes" in line and ("model=" if model_in != "base" else "dataset=") in line, line
+    assert manifest(tmp_path) == before
+
+
+def test_train_overwrite_keeps_what_a_run_did_not_write_and_says_so(chain, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    _old_run(chain, run)
+    shutil.copytree(chain / "base", run / "base")
+    (run / "data.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    (run / "NOTES.md").write_text("my notes\n")
+    config = _train_config(tmp_path, run, run / "base", run / "data.jsonl")
+    mine = manifest(run / "base") | {str(run / n): manifest(run)[str(run / n)] for n in ("data.jsonl", "NOTES.md")}
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), "--overwrite"]) == 0
+    assert "kept NOTES.md, base, data.jsonl" in capsys.readouterr().err
+    after = manifest(run)
+    assert {k: after.get(k) for k in mine} == mine and not (run / "checkpoint-2").exists()
+    assert len(list((run / "final").iterdir())) > 1  # the new run's checkpoint, not the old stand-in
+
+
 # ------------------------------------------------------------------------------- 2. crashes instead of errors
 BLOCKER = """
 import sys

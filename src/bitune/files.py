@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,37 @@ def check_output_file(path: str | Path, what: str = "output file",
     if path.exists() and not os.access(path, os.W_OK):
         raise BituneError(f"{what} {path} exists and is not writable (permission denied)")
     return path
+
+
+def check_replaces_own(path: str | Path, what: str, kind: str, earlier: Callable[[Any], bool],
+                       jsonl: bool = False) -> None:
+    """An existing file at ``path`` is replaced only when it is an earlier output of the same kind (re-running a
+    command updates its own output); any other file is not the command's to replace. An empty file holds nothing
+    to lose.
+
+    Args:
+        what: the option, e.g. ``"--output"``.
+        kind: what an earlier output is, for the error (``"an evaluation result"``).
+        earlier: whether the parsed content is such an output: called with the file's JSON value, or with the
+            list of its non-blank lines' values with ``jsonl``; content that is not JSON is never an earlier output.
+        jsonl: the command writes JSON lines, not one JSON value.
+
+    Raises:
+        BituneError: ``path`` exists and is not ``kind`` (naming the option, the file and how to proceed).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        text = path.read_text(encoding="utf-8")
+        value = [json.loads(line) for line in text.splitlines() if line.strip()] if jsonl else \
+            json.loads(text)
+        ours = earlier(value)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        ours = False
+    if not ours:
+        raise BituneError(f"{what} {path} exists and is not {kind}; it would be replaced: give another file, or "
+                          "move it away first")
 
 
 def _resolved(keep: tuple[tuple[str, str | Path | None], ...]) -> list[tuple[str, Path]]:

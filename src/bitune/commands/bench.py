@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 from ..config import METHODS
-from ..files import check_output_file
+from ..files import check_output_file, check_replaces_own
 from ..hub import DEFAULT_MODEL
 
 HELP = "benchmark training, generation and serving speed/memory against LoRA"
+OUTPUT_HELP = ("also write the results as JSON here (an existing file is replaced only when it holds an earlier "
+               "benchmark record)")
 
 
 def configure(parser) -> None:
@@ -24,7 +27,7 @@ def configure(parser) -> None:
     tr.add_argument("--lengths", default="64:64,256:64", help="comma-separated PROMPT:ANSWER token lengths")
     tr.add_argument("--batch-size", type=int, default=1, help="examples per step")
     tr.add_argument("--steps", type=int, default=3, help="timed steps per method and length (after 1 warm-up)")
-    tr.add_argument("--output", default=None, help="also write the results as JSON here")
+    tr.add_argument("--output", default=None, help=OUTPUT_HELP)
     ge = sub.add_parser("generate", help="prefill a long prompt and generate N tokens (paper Table 4)")
     ge.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
     ge.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (the paper: 2000 on a GPU)")
@@ -33,7 +36,7 @@ def configure(parser) -> None:
     ge.add_argument("--compile", action="store_true",
                     help="also time decoding compiled (torch.compile, static cache) for the base model and Bitune "
                          "(compiling takes minutes on CPU)")
-    ge.add_argument("--output", default=None, help="also write the results as JSON here")
+    ge.add_argument("--output", default=None, help=OUTPUT_HELP)
     da = sub.add_parser("data", help="training throughput on a config's real data, Bitune vs LoRA")
     da.add_argument("--config", action="append", required=True, metavar="FILE.yaml",
                     help="training config (as for 'bitune train'; repeat to merge): its model, dataset, batch size")
@@ -42,7 +45,7 @@ def configure(parser) -> None:
     da.add_argument("--steps", type=int, default=6, help="timed optimizer steps per method (after 1 warm-up)")
     da.add_argument("--rounds", type=int, default=1,
                     help="times the same steps are timed, interleaved; the time ratio's median is reported")
-    da.add_argument("--output", default=None, help="also write the results as JSON here")
+    da.add_argument("--output", default=None, help=OUTPUT_HELP)
     sh = sub.add_parser("sharding", help="per-process parameter, gradient and AdamW bytes under DDP vs FSDP2, and "
                                          "activation bytes with checkpointing on vs off (starts N processes)")
     sh.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
@@ -54,7 +57,7 @@ def configure(parser) -> None:
     sh.add_argument("--batch-size", type=int, default=1, help="examples per process")
     sh.add_argument("--meta", action="store_true",
                     help="count static bytes on the meta device (no step): for models too large to replicate here")
-    sh.add_argument("--output", default=None, help="also write the results as JSON here")
+    sh.add_argument("--output", default=None, help=OUTPUT_HELP)
     sh.add_argument("--threads", type=int, default=None, help="threads per process (default 1)")
     de = sub.add_parser("decode", help="one decoding step (decode_step, what the server batches) against the "
                                        "model's own forward on the same cache, with a profile of where the time goes")
@@ -62,14 +65,14 @@ def configure(parser) -> None:
     de.add_argument("--batch-sizes", default="1,8", help="comma-separated rows decoded together")
     de.add_argument("--context", type=int, default=128, help="cached tokens per row before the timed steps")
     de.add_argument("--steps", type=int, default=32, help="timed decoding steps per batch size (after 4 warm-up)")
-    de.add_argument("--output", default=None, help="also write the results as JSON here")
+    de.add_argument("--output", default=None, help=OUTPUT_HELP)
     pf = sub.add_parser("prefill", help="reading prompts: both passes batched into one forward vs one forward per "
                                          "pass, by prompt length and batch size, against the base model's forward")
     pf.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, hub id or local folder")
     pf.add_argument("--lengths", default="32,64,128,256,512", help="comma-separated prompt lengths (tokens)")
     pf.add_argument("--batch-sizes", default="1,8", help="comma-separated prompts read together")
     pf.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds; medians are reported")
-    pf.add_argument("--output", default=None, help="also write the results as JSON here")
+    pf.add_argument("--output", default=None, help=OUTPUT_HELP)
     for p in (tr, ge, da, de, pf):
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
@@ -94,7 +97,7 @@ def configure(parser) -> None:
     se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     se.add_argument("--device", default=None, help="torch device of the servers (default: cpu)")
     se.add_argument("--no-transformers", action="store_true", help="skip the transformers serve comparison")
-    se.add_argument("--output", default=None, help="also write the results as JSON here")
+    se.add_argument("--output", default=None, help=OUTPUT_HELP)
     ev = sub.add_parser("eval", help="multiple-choice scoring speed: the bitune lm-eval model type vs lm-eval's hf")
     ev.description = ("Every choice of the first --limit questions of one task scored by lm-eval's hf, by the "
                       "bitune model type with the pretrained variant (one prompt pass per question) and with a "
@@ -110,7 +113,20 @@ def configure(parser) -> None:
     ev.add_argument("--rounds", type=int, default=2, help="interleaved timed rounds; the fastest counts")
     ev.add_argument("--checkpoint", metavar="DIR", help="the two-pass Bitune model (default: --model with fresh "
                     "Bitune adapters, the same compute as trained ones)")
-    ev.add_argument("--output", default=None, help="also write the results as JSON here")
+    ev.add_argument("--output", default=None, help=OUTPUT_HELP)
+
+
+def inputs(args) -> tuple[tuple[str, str | None], ...]:
+    """What a benchmark reads, as :func:`bitune.files.check_output_file`'s ``keep``: its local model folder and
+    checkpoints, and for ``data`` the configs and the model and data file they name."""
+    named = [(f"--{name}", getattr(args, name, None)) for name in ("model", "bitune", "lora", "checkpoint")]
+    named += [("--config", path) for path in getattr(args, "config", None) or []]
+    if args.bench == "data":
+        from ..train import load_settings
+
+        settings = load_settings(args.config, args.overrides)
+        named += [("the config's model", settings.model), ("the config's dataset", settings.dataset)]
+    return tuple((name, path) for name, path in named if path and Path(path).expanduser().exists())
 
 
 def run(args) -> int:
@@ -120,8 +136,10 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.output:
-        check_output_file(args.output, "--output")  # before the benchmark runs
+    if args.output:  # before the benchmark runs
+        check_output_file(args.output, "--output", keep=inputs(args))
+        check_replaces_own(args.output, "--output", "a benchmark record (a JSON object with a 'model')",
+                           lambda record: isinstance(record, dict) and "model" in record)
     module = importlib.import_module(f"bitune.bench.{args.bench}")  # bench_<what>(args) -> dict runs it
     result = getattr(module, f"bench_{args.bench}")(args)
     if args.output:

@@ -11,7 +11,7 @@ from transformers import set_seed
 
 from ..chat import MODES, Conversation
 from ..errors import BituneError
-from ..files import check_output_file, check_text
+from ..files import check_output_file, check_replaces_own, check_text
 from ..loading import load_bitune
 from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
 
@@ -37,8 +37,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--template", choices=("auto", "chat", "paper"), default="auto",
                         help="auto: the template the checkpoint was trained with; for a base model (--model) its "
                              "chat template if it has one, else paper ('Question: ...\\n\\nAnswer: ...' turns)")
-    parser.add_argument("--save", metavar="FILE.json", help="write the conversation here when the chat ends")
+    parser.add_argument("--save", metavar="FILE.json", help="write the conversation here when the chat ends; an "
+                        "existing file is replaced only when it holds an earlier saved conversation")
     add_sampling_options(parser)
+
+
+def is_conversation(value) -> bool:
+    """Whether ``value`` is a conversation :meth:`~bitune.chat.Conversation.save` wrote (``mode``, ``template``,
+    ``messages``): the one kind of file ``--save`` replaces."""
+    return isinstance(value, dict) and {"mode", "template", "messages"} <= set(value) and \
+        isinstance(value["messages"], list)
 
 
 def read_line(stream, n: int) -> str:
@@ -62,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_options(args)
     if args.save is not None:  # "" too: an error, not "do not save"
         check_output_file(args.save, "--save", keep=model_inputs(args))  # before loading
+        check_replaces_own(args.save, "--save", "a conversation saved by bitune chat", is_conversation)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
                                    merge=not args.no_merge)
     if args.seed is not None:

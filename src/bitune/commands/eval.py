@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ..errors import BituneError
-from ..files import check_named, check_output_file
+from ..files import check_named, check_output_file, check_replaces_own
 from ..records import RESULT_FILE, SCHEMA
 from .options import add_merge_option, add_prompt_passes_option, add_threads_option, model_inputs
 
@@ -78,22 +77,10 @@ def eval_argv(args: argparse.Namespace) -> list[str]:
     return argv + (["--no-merge"] if args.no_merge else [])
 
 
-def check_replaces_a_result(out: Path) -> None:
-    """An existing ``--output`` file is replaced only when it is an earlier evaluation result (re-evaluating a run
-    updates its record); any other file is not this command's to replace.
-
-    Raises:
-        BituneError: ``out`` exists and is not a result JSON (``"schema": "bitune-eval/..."``).
-    """
-    if not out.is_file():
-        return
-    try:
-        record = json.loads(out.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        record = None
-    if not (isinstance(record, dict) and str(record.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/")):
-        raise BituneError(f"--output {out} exists and is not an evaluation result; it would be replaced: give "
-                          "another file, or move it away first")
+def is_result(record) -> bool:
+    """Whether ``record`` is an evaluation result (``"schema": "bitune-eval/..."``): the one kind of file an
+    ``--output`` replaces (re-evaluating a run updates its record)."""
+    return isinstance(record, dict) and str(record.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/")
 
 
 def check_processes(num_processes: int, limit: int | None) -> None:
@@ -121,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         ckpt_files = [p for p in Path(args.checkpoint).rglob("*") if p.is_file()] if args.checkpoint else []
         keep = tuple(("a file of the checkpoint", p) for p in ckpt_files if p.name != RESULT_FILE)
         check_output_file(out, "--output", keep=(*keep, *model_inputs(args)[1:]))  # and --model/--base folders
-        check_replaces_a_result(out)
+        check_replaces_own(out, "--output", "an evaluation result", is_result)
     if args.num_processes > 1:
         from .launcher import launch
 

@@ -17,7 +17,14 @@ from transformers import set_seed
 
 from ..config import TEMPLATES
 from ..errors import BituneError
-from ..files import check_input_file, check_output_file, check_text, jsonl_records, write_text_atomic
+from ..files import (
+    check_input_file,
+    check_output_file,
+    check_replaces_own,
+    check_text,
+    jsonl_records,
+    write_text_atomic,
+)
 from ..generation import generate_texts, pick_template
 from ..loading import load_bitune
 from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
@@ -39,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="one prompt; the answer is streamed to the terminal")
     what.add_argument("--input", metavar="FILE.jsonl", help="prompts, one JSON object per line")
-    parser.add_argument("--output", metavar="FILE.jsonl", help="with --input: where answers go (default: stdout)")
+    parser.add_argument("--output", metavar="FILE.jsonl", help="with --input: where answers go (default: stdout); an existing file is "
+                        "replaced only when it holds earlier answers")
     parser.add_argument("--template", choices=list(TEMPLATES), default=None,
                         help="paper: 'Question: {prompt}\\n\\nAnswer:'; chat: the tokenizer's chat template; none: "
                              "the prompt as given. Default: the template the checkpoint was trained with; for a base "
@@ -49,6 +57,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="decode with torch.compile and a static cache: faster decoding steps, but each new "
                              "batch shape is compiled first (a minute or more on CPU); pays off for long answers")
     add_sampling_options(parser)
+
+
+def is_answers(rows: list) -> bool:
+    """Whether the JSON lines ``rows`` are answers this command wrote (each an object with an ``output`` field):
+    the one kind of file ``--output`` replaces."""
+    return bool(rows) and all(isinstance(row, dict) and "output" in row for row in rows)
 
 
 def read_prompts(path: str | Path) -> tuple[list[dict], list[str]]:
@@ -89,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         check_text(args.prompt, "--prompt")
     if args.output is not None:  # "" too: an error, not stdout
         check_output_file(args.output, "--output", keep=(("--input", args.input), *model_inputs(args)))
+        check_replaces_own(args.output, "--output", "answers written by bitune generate", is_answers, jsonl=True)
     records, prompts = read_prompts(args.input) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,

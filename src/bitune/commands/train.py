@@ -68,7 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="allow replacing what output_dir holds: with --resume, continue a finished run from its "
                              "newest checkpoint and replace final/; without, delete the old run (checkpoints, "
-                             "final/, log) and start afresh")
+                             "final/, log; other files are kept) and start afresh. Refused when the base model or the data "
+                             "lies in the run's checkpoints or final/")
     parser.add_argument("--num-processes", type=int, default=1, metavar="N",
                         help="train data-parallel in N processes on this machine (one per GPU; gloo on CPU), "
                              "launched through torch.distributed.run; not needed under torchrun/accelerate launch")

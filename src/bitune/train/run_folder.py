@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ def check_run_folder(out: Path, settings: Any, resume: bool, overwrite: bool = F
         BituneError: naming the folder and what it holds.
     """
     out = Path(out)
+    check_inputs_outside(out, {"model": settings.model, "dataset": settings.dataset})
     found = checkpoints(out)
     finished = (out / FINAL_DIR).exists()
     if not resume:
@@ -103,6 +105,35 @@ def check_run_folder(out: Path, settings: Any, resume: bool, overwrite: bool = F
                           "run without --resume and with --overwrite to start afresh, or choose another output_dir")
     _check_same_settings(out / SETTINGS_FILE, settings)
     return found[-1]
+
+
+def written(out: Path) -> list[Path]:
+    """What a run writes into (and ``--overwrite``, a resumed run or rotation may replace or delete) in ``out``:
+    its checkpoints, ``final/``, ``tensorboard/``, the log, the settings and the lock."""
+    names = (FINAL_DIR, TB_DIR, LOG_FILE, SETTINGS_FILE, LOCK_FILE)
+    return [*Path(out).glob(f"{CHECKPOINT_PREFIX}*"), *(Path(out) / name for name in names)]
+
+
+def check_inputs_outside(out: Path, inputs: dict[str, str]) -> None:
+    """Refuse a run whose inputs (the base model folder, the data file) are, or lie inside, something the run
+    writes into its folder (:func:`written`): it would replace or delete what it reads. A built-in or hub name is
+    no path and passes; the rest of the folder (a ``base/`` or ``data.jsonl`` beside the run's files) is never
+    touched by a run.
+
+    Raises:
+        BituneError: naming the setting, the path and what of the run folder it lies in.
+    """
+    targets = [p.expanduser().resolve() for p in written(out)]
+    for name, value in inputs.items():
+        path = Path(value).expanduser()
+        if not value or not path.exists():
+            continue
+        path = path.resolve()
+        for target in targets:
+            if path == target or target in path.parents:
+                raise BituneError(f"{name}={value} lies in {target.name} of output_dir {out}, which a run writes "
+                                  "(and --overwrite deletes): move it out of the run's files, or choose another "
+                                  "output_dir")
 
 
 def _check_same_settings(saved_path: Path, settings: Any) -> None:
@@ -142,7 +173,10 @@ class RunStart:
         """Start writing (main process): delete the old run when ``overwrite`` starts afresh, write
         ``settings.yaml``."""
         if self.overwrite and not self.resume:
-            clear_run(self.out)
+            kept = clear_run(self.out)
+            if kept:
+                print(f"bitune train: --overwrite deleted the old run in {self.out} and kept {', '.join(kept)} "
+                      "(not written by a run)", file=sys.stderr)
         self.out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.out / SETTINGS_FILE, self.settings.to_yaml())
         self.begun = True
@@ -237,13 +271,17 @@ def truncate_log(path: Path, step: int) -> None:
     write_text_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
-def clear_run(out: Path) -> None:
-    """Delete what ``bitune train`` wrote into a run folder (``--overwrite`` without ``--resume``)."""
-    for p in [*Path(out).glob(f"{CHECKPOINT_PREFIX}*"), *(out / n for n in (FINAL_DIR, TB_DIR))]:
+def clear_run(out: Path) -> list[str]:
+    """Delete what ``bitune train`` wrote into a run folder (``--overwrite`` without ``--resume``); return the
+    names of the entries it kept (the user's, e.g. a base model folder or a data file beside the run)."""
+    out = Path(out)
+    for p in [*out.glob(f"{CHECKPOINT_PREFIX}*"), *(out / n for n in (FINAL_DIR, TB_DIR))]:
         if p.is_dir():
             shutil.rmtree(p)
     for name in (LOG_FILE, SETTINGS_FILE):
         (out / name).unlink(missing_ok=True)
+    ours = {p.name for p in written(out)}
+    return sorted(p.name for p in out.iterdir() if p.name not in ours) if out.is_dir() else []
 
 
 @contextmanager
