@@ -217,7 +217,8 @@ print("RESULTS" + json.dumps(results))
 NEEDS = [(["eval", "--model", "x"], "eval"), (["sweep", "--output-dir", "{tmp}/sweep"], "eval"),
          (["quickstart", "--output-dir", "{tmp}/quick"], "eval"),
          (["plot", "mixing", "--log", "{tmp}/log.jsonl", "--output", "{tmp}/fig"], "plot"),
-         (["serve", "--model", "x", "--port", "0"], "serve"), (["bench", "eval"], "eval")]
+         (["serve", "--model", "x", "--port", "0"], "serve"), (["bench", "eval"], "eval"),
+         (["bench", "serve", "--model", "{tmp}/missing", "--output", "{tmp}/serve.json"], "serve")]
 """Each verb that needs an extra, and the extra."""
 
 

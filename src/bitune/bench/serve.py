@@ -15,6 +15,7 @@ which other work on the machine inflates less than it does wall times.
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
 import statistics
@@ -282,7 +283,15 @@ def bench_serve(args) -> dict:
 
 
 def measure(args) -> dict:
-    """Run the comparisons; return the record (written as JSON with ``--output``)."""
+    """Run the comparisons; return the record (written as JSON with ``--output``).
+
+    Raises:
+        ModuleNotFoundError: the serve extra is missing (:mod:`bitune.cli` names it in one line), before any model
+            loads: its servers would fail only after the load.
+    """
+    for package in ("fastapi", "uvicorn"):
+        if importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"No module named {package!r}", name=package)
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hub import resolve_device, resolve_model
