@@ -66,7 +66,7 @@ def test_a_failing_round_ends_its_requests_and_the_scheduler_carries_on(monkeypa
     fn = original.__func__ if isinstance(original, staticmethod) else original
     patched = _raising(fn, times)
     monkeypatch.setattr(owner, name, wrap(patched) if wrap else patched)
-    scheduler = Scheduler(scheduler_model("llama"), IdTokenizer(), max_batch_size=4)
+    scheduler = Scheduler(scheduler_model("llama"), IdTokenizer(), max_batch_size=4, down_after=10)  # see below
     scheduler.start()
     try:
         # two requests of different lengths: rows join a running batch (concat) and one leaves early (select)
@@ -80,6 +80,63 @@ def test_a_failing_round_ends_its_requests_and_the_scheduler_carries_on(monkeypa
         assert scheduler.healthy
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode_step"])
+def test_batches_failing_one_after_another_mark_the_scheduler_unhealthy_until_an_answer_completes(where):
+    """The thread lives on, but no request succeeds: unhealthy after ``down_after`` failed batches in a row (each
+    request still gets its error), healthy again once an answer completes."""
+    model = scheduler_model("llama")
+    original = getattr(model, where)
+    setattr(model, where, _raising(original, None))
+    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=4, down_after=3)
+    scheduler.start()
+    try:
+        for n in range(1, 5):  # one request at a time: a batch each
+            assert _ended([_submit(scheduler, PROMPTS[n % 3], 3)]) == ["error"]
+            assert scheduler.healthy == (n < 3), n
+        assert "the last 4 batches failed" in scheduler.failing and "injected fault" in scheduler.failing
+        setattr(model, where, original)  # the fault passes: requests are still taken, and served
+        assert _ended([_submit(scheduler, PROMPTS[0], 3)]) == ["end"]
+        assert scheduler.healthy and scheduler.failing is None
+    finally:
+        scheduler.stop()
+
+
+def test_health_is_503_while_every_prefill_fails_over_http(tmp_path):
+    """Against a server on 127.0.0.1: every request gets its 500 while the prefill fails; /health says 503 with
+    the reason from the third failed batch on, and ok again after a request is answered."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from helpers.gen import save_checkpoint
+    from helpers.serve import serving
+
+    def post() -> int:
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=WAIT).status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def health() -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=WAIT) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    ckpt = save_checkpoint(tmp_path, chat_template=True)[0]
+    with serving(ckpt) as (url, scheduler, _):
+        model = scheduler.model
+        model.prefill = _raising(type(model).prefill.__get__(model), None)
+        assert [post() for _ in range(3)] == [500] * 3
+        status, body = health()
+        assert status == 503 and "the last 3 batches failed" in body["error"] and "injected fault" in body["error"]
+        del model.prefill  # the class's own again
+        assert post() == 200 and health()[0] == 200
 
 
 def test_a_failing_event_callback_does_not_take_the_others_down():

@@ -129,7 +129,8 @@ def create_app(served: Served, scheduler: Scheduler, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> Gate:
     """The ASGI app of ``bitune serve``: the FastAPI app behind the :class:`Gate` (API key, then body size).
 
-    Routes: ``GET /health`` (503 once the scheduler thread has stopped), ``GET /v1/models``,
+    Routes: ``GET /health`` (503 once the scheduler thread has stopped, while its batches fail one after
+    another, or while shutting down), ``GET /v1/models``,
     ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI's bodies, :mod:`bitune.serve.protocol`;
     ``stream: true`` answers with server-sent events). Every error is answered as an OpenAI error object. The
     app's lifespan starts the scheduler thread and stops it at shutdown.
@@ -177,8 +178,8 @@ _router = APIRouter()
 @_router.get("/health")
 async def health(scheduler: SchedulerDep):
     if not scheduler.healthy:
-        why = scheduler.failure or ("the server is shutting down" if scheduler.closing
-                                    else "the model's thread is not running")
+        why = scheduler.failure or scheduler.failing or ("the server is shutting down" if scheduler.closing
+                                                         else "the model's thread is not running")
         return JSONResponse({"status": "down", "error": why}, 503)
     return {"status": "ok", "running": scheduler.running, "waiting": scheduler.waiting}
 

@@ -152,13 +152,19 @@ class Scheduler:
         max_queue: jobs waiting for a row at most; :meth:`submit` refuses more.
         batch_wait: seconds an idle scheduler waits for the next request of a burst before it reads the prompts
             it has (0: read the first one at once). Default 0.02.
+        down_after: consecutive failed batches (a prompt batch that could not be read, a round that failed) with
+            no answer completed since, after which the scheduler reports itself unhealthy (:attr:`failing`) until
+            an answer completes again; requests are still taken, so a passing fault heals. Default 3.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64, batch_wait: float = 0.02):
+    def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64, batch_wait: float = 0.02,
+                 down_after: int = 3):
         if max_batch_size < 1 or max_queue < 1 or not 0 <= batch_wait <= threading.TIMEOUT_MAX / 10:
             raise ValueError(f"max_batch_size must be >= 1 (got {max_batch_size}), max_queue >= 1 (got {max_queue}: "
                              f"0 refuses every request) and batch_wait in [0, {threading.TIMEOUT_MAX / 10:g}] s "
                              f"(got {batch_wait})")
+        if down_after < 1:
+            raise ValueError(f"down_after must be >= 1 (got {down_after})")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch_size, self.max_queue, self.batch_wait = max_batch_size, max_queue, batch_wait
         self.device = next(model.parameters()).device
@@ -170,6 +176,11 @@ class Scheduler:
         self._closing = False
         self.failure: str | None = None
         """Why the scheduler thread stopped, when it stopped on a failure (then :attr:`healthy` is False)."""
+        self.down_after = down_after
+        self.failing: str | None = None
+        """Why no request is being served although the thread runs: set after ``down_after`` failed batches in a
+        row, cleared when an answer completes (while set, :attr:`healthy` is False)."""
+        self._failed_batches = 0
         self._thread = threading.Thread(target=self._run, name="bitune-scheduler", daemon=True)
 
     # ------------------------------------------------------------------------------------------- outside
@@ -199,9 +210,11 @@ class Scheduler:
 
     @property
     def healthy(self) -> bool:
-        """Whether requests can be served: the thread runs (or has not started), has not failed and is not
-        shutting down (:meth:`submit` then refuses every request)."""
-        return self.failure is None and not self._closing and (self._thread.is_alive() or not self._thread.ident)
+        """Whether requests can be served: the thread runs (or has not started), has not failed, its batches are
+        not failing one after another (:attr:`failing`) and it is not shutting down (:meth:`submit` then refuses
+        every request)."""
+        return (self.failure is None and self.failing is None and not self._closing
+                and (self._thread.is_alive() or not self._thread.ident))
 
     @property
     def closing(self) -> bool:
@@ -245,6 +258,7 @@ class Scheduler:
                             self._step()
                     except Exception as e:  # whatever failed, these requests end now; the next round starts clean
                         log.exception("a scheduler round failed")
+                        self._batch_failed(f"generation failed: {type(e).__name__}: {e}")  # before the errors go
                         ended = {id(r.job) for r in self._rows}
                         for job in [*(r.job for r in self._rows), *(j for j in admit if id(j) not in ended)]:
                             _emit(job, Event("error", f"generation failed: {type(e).__name__}: {e}"))
@@ -280,6 +294,7 @@ class Scheduler:
             new = self.model.prefill(ids, mask)
         except Exception as e:  # a failing prompt must not take the running rows down
             log.exception("prefill failed")
+            self._batch_failed(f"reading the prompt failed: {type(e).__name__}: {e}")  # before the errors go
             for job in jobs:
                 _emit(job, Event("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
             return
@@ -299,6 +314,7 @@ class Scheduler:
         for i, (row, token) in enumerate(zip(self._rows, picked)):
             finish = None if row.job.cancelled else row.add(token)
             if finish is not None:
+                self._answered()  # before the client hears of it
                 _emit(row.job, Event("end", finish_reason=finish, prompt_tokens=len(row.job.prompt),
                                      completion_tokens=len(row.job.tokens)))
             elif not row.job.cancelled:
@@ -306,6 +322,21 @@ class Scheduler:
         if len(keep) < len(self._rows):
             self._rows = [self._rows[i] for i in keep]
             self._state = self._state.select(torch.tensor(keep, device=self.device)).trimmed() if keep else None
+
+
+    def _batch_failed(self, why: str) -> None:
+        """Count a batch whose requests all ended with an error; after ``down_after`` in a row, :attr:`failing`."""
+        self._failed_batches += 1
+        if self._failed_batches >= self.down_after:
+            if self.failing is None:
+                log.error("%d batches in a row failed: unhealthy until an answer completes", self._failed_batches)
+            self.failing = f"the last {self._failed_batches} batches failed, no answer since (last: {why})"
+
+    def _answered(self) -> None:
+        """An answer completed: the model serves again."""
+        if self.failing is not None:
+            log.warning("an answer completed again: healthy")
+        self._failed_batches, self.failing = 0, None
 
 
 def _emit(job: Job, event: Event) -> None:
