@@ -22,13 +22,13 @@ TURNS = ["what is 2+2?", "and 3+3?", "why?"]
 def test_alternating_first_turn_equals_single_turn_generation():
     tok, model = tiny_tokenizer(), perturbed_bitune()
     single = generate_texts(model, tok, [TURNS[0]], max_new_tokens=8, stop=["Question:"])[0]
-    for mode in ("alternating", "recompute"):
+    for mode in ("alternating", "reread"):
         assert Conversation(model, tok, mode, max_new_tokens=8).say(TURNS[0]) == single
 
 
-def test_recompute_equals_single_turn_generation_on_the_concatenated_history():
+def test_reread_equals_single_turn_generation_on_the_concatenated_history():
     tok, model = tiny_tokenizer(), perturbed_bitune()
-    conv = Conversation(model, tok, "recompute", max_new_tokens=6)
+    conv = Conversation(model, tok, "reread", max_new_tokens=6)
     answers = [conv.say(t) for t in TURNS]
     history = "\n\n".join(f"Question: {u}\n\nAnswer: {a}" for u, a in zip(TURNS[:2], answers[:2]))
     prompt = f"{history}\n\nQuestion: {TURNS[2]}\n\nAnswer:"
@@ -90,15 +90,15 @@ def test_alternating_cache_holds_exactly_the_rendered_chat():
     assert conv.render(conv.history).count("</s>") == 4
 
 
-def test_without_bidirectional_passes_alternating_equals_recompute():
+def test_without_bidirectional_passes_alternating_equals_reread():
     """The pretrained variant reads causally only, so keeping the cache must give what re-reading gives."""
     tok, model = tiny_tokenizer(), perturbed_bitune(variant="pretrained")
     tok.chat_template = CHAT_TEMPLATE
     no_space = [0, 2, 3, *tok.convert_tokens_to_ids([" ", "\n"])]
     conv = {m: Conversation(model, tok, m, max_new_tokens=4, suppress_tokens=no_space, forced_eos_token_id=1)
-            for m in ("alternating", "recompute")}
+            for m in ("alternating", "reread")}
     answers = {m: [c.say(t) for t in TURNS] for m, c in conv.items()}
-    assert answers["alternating"] == answers["recompute"]
+    assert answers["alternating"] == answers["reread"]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def saved(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("chat"))
 
 
-@pytest.mark.parametrize("mode", ["alternating", "recompute"])
+@pytest.mark.parametrize("mode", ["alternating", "reread"])
 def test_chat_cli_reads_a_pipe_answers_two_turns_and_exits(saved, mode, tmp_path, monkeypatch, capsys):
     ckpt, model = saved
     out = tmp_path / "chat.json"
@@ -124,6 +124,20 @@ def test_chat_cli_reads_a_pipe_answers_two_turns_and_exits(saved, mode, tmp_path
     assert [m["content"] for m in messages[1::2]] == expected
     assert len(printed) == 4 and printed[1] == "(conversation reset)"  # answer to "hello", reset, two answers
     assert [line.strip() for line in printed[2:]] == expected  # the streamed text is the answer
+
+
+def test_the_old_mode_name_recompute_is_read_as_reread_with_a_warning(saved, tmp_path, monkeypatch, capsys):
+    """'recompute' now names activation checkpointing; the chat mode it once named is 'reread'."""
+    ckpt, model = saved
+    out = tmp_path / "chat.json"
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{TURNS[0]}\n/exit\n"))
+    assert main(["chat", "--checkpoint", str(ckpt), "--mode", "recompute", "--max-new-tokens", "4", "--save",
+                 str(out), "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: --mode recompute is now called --mode reread" in err and "bitune chat: reread mode" in err
+    assert json.loads(out.read_text())["mode"] == "reread"
+    with pytest.warns(DeprecationWarning, match="'recompute' is now called 'reread'"):
+        assert Conversation(model, tiny_tokenizer(), "recompute").mode == "reread"
 
 
 def test_chat_commands_quit_and_unknown_ones_are_not_sent_to_the_model(saved, tmp_path, monkeypatch, capsys):

@@ -116,7 +116,7 @@ def test_chat_uses_and_prints_the_recorded_template(base_dir, tmp_path, monkeypa
     capsys.readouterr()
     assert main(["chat", "--checkpoint", final, "--max-new-tokens", "3", "--device", "cpu",
                  "--save", str(tmp_path / "c.json")]) == 0
-    assert "bitune chat: recompute mode, paper template (the template the checkpoint was trained with)" in \
+    assert "bitune chat: reread mode, paper template (the template the checkpoint was trained with)" in \
         capsys.readouterr().err
     assert json.loads((tmp_path / "c.json").read_text())["template"] == "paper"
 

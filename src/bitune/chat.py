@@ -2,8 +2,9 @@
 
 Two ways to carry a conversation:
 
-* ``recompute`` (A.8 A): every turn re-renders the whole history as one prompt and reads it with both prompt
-  passes, so earlier answers are read bidirectionally too.
+* ``reread`` (A.8 A; once called ``recompute``, the name activation checkpointing now has): every turn
+  re-renders the whole history as one prompt and reads it with both prompt passes, so earlier answers are read
+  bidirectionally too.
 * ``alternating`` (A.8 B): the KV cache is kept between turns; each new user turn is read with both passes on
   top of it and mixed, answers stay causal in the cache. Only the new turn's tokens are computed. The cache
   keeps each answer as generated, its end token included; where the template itself writes that token (chat
@@ -17,6 +18,7 @@ end-of-turn token, and (paper template) at ``Question:``.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from .data.collate import pad_id
@@ -33,9 +35,20 @@ from .generation import (
 )
 from .inputs import check_prompt_length
 
-MODES = ("recompute", "alternating")
+MODES = ("reread", "alternating")
+MODE_ALIASES = {"recompute": "reread"}
+"""Older chat mode names, still accepted with a deprecation warning: old name -> mode."""
 PAPER_STOP = "Question:"
 _MARK = "\ue000"  # a private-use character, to find where the last answer ends in a rendered history
+
+
+def upgrade_mode(mode: str) -> str:
+    """``mode`` under its current name: an older one (:data:`MODE_ALIASES`) mapped, with a ``DeprecationWarning``."""
+    if mode in MODE_ALIASES:
+        warnings.warn(f"chat mode {mode!r} is now called {MODE_ALIASES[mode]!r} ({mode!r} names activation "
+                      "checkpointing); the old name is still read", DeprecationWarning, stacklevel=3)
+        return MODE_ALIASES[mode]
+    return mode
 
 
 class Conversation:
@@ -44,7 +57,8 @@ class Conversation:
     Args:
         model: the model.
         tokenizer: its tokenizer.
-        mode: ``"recompute"`` (default) or ``"alternating"`` (see the module docstring).
+        mode: ``"reread"`` (default) or ``"alternating"`` (see the module docstring); the older name
+            ``"recompute"`` is read as ``"reread"``, with a ``DeprecationWarning``.
         template: ``"auto"`` (:func:`bitune.generation.pick_template`: the template the checkpoint was trained with;
             for a base model its chat template if it has one, else ``"paper"``), ``"chat"`` or ``"paper"``.
         max_new_tokens: cap on tokens per answer (lowered where the conversation nears the model's maximum
@@ -55,7 +69,7 @@ class Conversation:
 
     Attributes:
         history: the turns so far, ``[{"role": "user" | "assistant", "content": str}, ...]``.
-        mode (str): ``"recompute"`` or ``"alternating"``.
+        mode (str): ``"reread"`` or ``"alternating"``.
         template (str): the template the conversation is written with, ``"chat"`` or ``"paper"``.
         why (str): why that template (for the line ``bitune chat`` prints).
 
@@ -65,8 +79,9 @@ class Conversation:
             tokenizer has no eos token to end answers with.
     """
 
-    def __init__(self, model, tokenizer, mode: str = "recompute", template: str = "auto",
+    def __init__(self, model, tokenizer, mode: str = "reread", template: str = "auto",
                  max_new_tokens: int = 128, stop: list[str] | None = None, stream: bool = False, **sampling):
+        mode = upgrade_mode(mode)
         if mode not in MODES:
             raise BituneError(f"chat mode {mode!r} is not one of {list(MODES)}")
         has_chat = bool(getattr(tokenizer, "chat_template", None))
@@ -92,7 +107,7 @@ class Conversation:
     @property
     def state(self):
         """Alternating mode: the model's :class:`~bitune.passes.Prefill` of the conversation so far, one row (None
-        before the first turn and in recompute mode). Its ``ids`` plus ``last_token`` are every token read or
+        before the first turn and in reread mode). Its ``ids`` plus ``last_token`` are every token read or
         written."""
         return self._state
 
@@ -115,9 +130,9 @@ class Conversation:
         Raises:
             BituneError: the conversation (with this turn) fills the model's positions (:meth:`reset` clears it);
                 the rendered prompt or, in alternating mode, the new turn is shorter than 2 tokens; in alternating
-                mode, the chat template changes earlier answers' text (use ``"recompute"``).
+                mode, the chat template changes earlier answers' text (use ``"reread"``).
             ValueError: in alternating mode, a model with sliding-window layers would read a conversation as
-                long as its window (use ``"recompute"``).
+                long as its window (use ``"reread"``).
         """
         messages = [*self.history, {"role": "user", "content": text}]
         if self._state is None:
@@ -180,7 +195,7 @@ class Conversation:
         full = self.render(messages)
         end = rendered.find(_MARK)
         if end < 0 or rendered.replace(_MARK, "", 1) != full:
-            raise BituneError("the chat template changes the answer text; use mode 'recompute'")
+            raise BituneError("the chat template changes the answer text; use mode 'reread'")
         if self._tail and full[end:].startswith(self._tail):
             end += len(self._tail)  # the model already wrote the template's next characters
         special = self.template == "paper"

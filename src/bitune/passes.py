@@ -142,7 +142,7 @@ def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
     window = getattr(text_config, "sliding_window", None)
     if window and past.ids.shape[1] + ids.shape[1] + 1 >= window:
         raise ValueError(f"this model has sliding-window layers ({window} tokens); a history this long "
-                         "cannot be extended: re-read it whole (chat mode 'recompute')")
+                         "cannot be extended: re-read it whole (chat mode 'reread')")
     ids = torch.cat([past.last_token, ids], dim=1)  # (B, 1 + T)
     mask = torch.cat([torch.ones_like(past.last_token), mask], dim=1)
     return ids, mask

@@ -9,7 +9,7 @@ import sys
 
 from transformers import set_seed
 
-from ..chat import MODES, Conversation
+from ..chat import MODE_ALIASES, MODES, Conversation
 from ..errors import BituneError
 from ..files import check_output_file, check_replaces_own, check_text
 from ..loading import load_bitune
@@ -30,10 +30,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "  bitune chat --checkpoint runs/ultrafeedback/final\n"
         "  bitune chat --checkpoint runs/ultrafeedback/final --mode alternating --save chat.json\n"
         "  printf 'Hi!\\nWhat is 2+2?\\n/exit\\n' | bitune chat --checkpoint runs/ultrafeedback/final\n"
-        "Modes (paper A.8): recompute re-reads the whole history with both prompt passes every turn; "
-        "alternating keeps the cache and reads only each new user turn with both passes.")
+        "Modes (paper A.8): reread re-reads the whole history with both prompt passes every turn; "
+        "alternating keeps the cache and reads only each new user turn with both passes. (reread was called "
+        "recompute; that name is still read, with a warning.)")
     add_model_options(parser)
-    parser.add_argument("--mode", choices=MODES, default="recompute", help="how the history is carried")
+    parser.add_argument("--mode", choices=[*MODES, *MODE_ALIASES], default="reread",
+                        metavar="{" + ",".join(MODES) + "}", help="how the history is carried")
     parser.add_argument("--template", choices=("auto", "chat", "paper"), default="auto",
                         help="auto: the template the checkpoint was trained with; for a base model (--model) its "
                              "chat template if it has one, else paper ('Question: ...\\n\\nAnswer: ...' turns)")
@@ -68,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise BituneError("--max-new-tokens must be >= 1")
     sampling = sampling_options(args)
+    if args.mode in MODE_ALIASES:
+        print(f"bitune chat: warning: --mode {args.mode} is now called --mode {MODE_ALIASES[args.mode]} "
+              f"('{args.mode}' names activation checkpointing); the old name is still read", file=sys.stderr)
+        args.mode = MODE_ALIASES[args.mode]
     if args.save is not None:  # "" too: an error, not "do not save"
         check_output_file(args.save, "--save", keep=model_inputs(args))  # before loading
         check_replaces_own(args.save, "--save", "a conversation saved by bitune chat", is_conversation)
