@@ -286,6 +286,25 @@ def test_an_export_carries_the_card_of_its_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "export"]
 
 
+def test_a_merged_export_says_first_that_alone_it_is_not_the_trained_model(tmp_path):
+    """transformers users load the export's top folder: its card says what it is before anything else, its config
+    names no stale source folder, a re-export rewrites the card, and a user's own README is never written over."""
+    _, model = save_checkpoint(tmp_path)
+    out = export_merged(model, tmp_path / "export")
+    meta, text = card_of(out)
+    assert meta["library_name"] == "transformers" and "bitune-merged-export" in meta["tags"]
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip() and not p.strip().startswith("<!--")]
+    assert paragraphs[0].startswith("# The decoding half of a Bitune model")
+    assert paragraphs[1].startswith("**Loaded alone, this folder is not the trained model.**")
+    config = json.loads((out / "config.json").read_text())
+    assert not [v for k, v in config.items() if "name_or_path" in k and v]
+    assert str(tmp_path / "base") not in (out / "config.json").read_text()
+    assert is_ours(out / "README.md")
+    (out / "README.md").write_text("# my notes\n")
+    export_merged(model, out, keep=("README.md",))  # what bitune export passes for a user's own README
+    assert (out / "README.md").read_text() == "# my notes\n"
+
+
 # ------------------------------------------------------------------------------------------ the Hub
 def test_push_to_hub_uploads_a_card_for_the_repository_with_its_eval(tmp_path, monkeypatch):
     """One commit: the checkpoint's files, the run's eval.json as ``eval.json``, and a card whose commands

@@ -12,7 +12,8 @@ import torch
 
 from . import checkpoint
 from .errors import BituneError
-from .files import apply_umask, replace_dir
+from .files import apply_umask, replace_dir, write_text_atomic
+from .modelcard import CARD_FILE, render_export
 
 
 @torch.no_grad()
@@ -21,7 +22,8 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
     (``config.json`` + ``model.safetensors``, no adapter layers: ``AutoModelForCausalLM.from_pretrained`` loads
     it, and its ``generate`` continues any Bitune prefill of this model with the same tokens), plus ``bitune/``,
     the model's checkpoint (:meth:`~bitune.model.BituneModel.save_pretrained`: the bidir set, the mixer and the
-    config) for the prefill workers that compute the mixed cache. Written to a temporary folder and renamed into
+    config) for the prefill workers that compute the mixed cache, and a card (``README.md``) that says first what
+    the folder is: loaded alone, the decoding half, not the trained model. Written to a temporary folder and renamed into
     place. An unmerged model is merged for the export and unmerged after it (its base weights then differ from
     before by float rounding: export a model you will train further from a fresh load).
 
@@ -49,9 +51,12 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
         plain = model.weights.merged_model()
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
+            plain.config._name_or_path = ""  # not the folder it was loaded from: that is the base, not this
             plain.save_pretrained(tmp, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            if CARD_FILE not in keep:  # a user's own README.md is kept instead (said by the caller)
+                write_text_atomic(tmp / CARD_FILE, render_export(model.config))
             checkpoint.save(model, tmp / "bitune", destination=directory / "bitune")  # its card shows where
             apply_umask(tmp)
             replace_dir(tmp, directory, keep)

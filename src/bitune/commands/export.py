@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import BituneError
 from ..files import check_named, check_output_dir
 from ..hub import CHECKPOINT_CONFIG as CONFIG_FILE
+from ..modelcard import CARD_FILE, is_ours
 from .options import HelpFormatter
 
 HELP = "export a checkpoint's causal weights merged, as a plain transformers model folder"
@@ -87,7 +88,8 @@ def check_merged(merged: str, checkpoint: str, base: str | None = None) -> tuple
         raise BituneError(f"--merged {merged} holds other files ({shown}) and is replaced by the export; give "
                           "a new or empty folder, or an earlier export")
     check_output_dir(out.parent, "--merged's parent")
-    return out, tuple(n for n in held if not any(fnmatch.fnmatchcase(n, p) for p in EXPORT_WRITES))
+    ours = {CARD_FILE} if is_ours(out / CARD_FILE) else set()  # an earlier export's card is the export's to rewrite
+    return out, tuple(n for n in held if n not in ours and not any(fnmatch.fnmatchcase(n, p) for p in EXPORT_WRITES))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise BituneError(f"{args.checkpoint} is a 'pretrained' checkpoint: the base model is its own export")
     export_merged(model, out, tokenizer, keep=kept)
     if kept:
-        print(f"bitune export: kept {', '.join(kept)} in {out} (not written by an export)")
+        print(f"bitune export: kept {', '.join(kept)} in {out} (not written by an export)"
+              + ("; the export's card, which says the folder alone is not the trained model, was not written over "
+                 "your README.md" if CARD_FILE in kept else ""))
     print(f"bitune export: {out} (transformers model, causal weights merged) and {out / 'bitune'} (the checkpoint)")
     return 0
