@@ -90,3 +90,14 @@ def test_bench_serve_refuses_what_no_server_could_run_before_starting_any(tmp_pa
                                     "model": str(tmp_path / "base"), **change})
     with pytest.raises(BituneError, match=message):
         bench_serve(args)
+
+
+def test_the_cost_model_bound_is_the_base_request_over_it_plus_bitunes_extra_prompt_reading():
+    from bitune.bench.serve import cost_model_bound
+
+    base = {"latency_p50_s": 4.0, "ttft_p50_s": 0.5}
+    # Bitune's first tokens come 1.0 s later than the base model's: a request costs 4.0 + 1.0 s, so at best
+    # 4 / 5 of the base model's rate
+    assert cost_model_bound({"latency_p50_s": 5.2, "ttft_p50_s": 1.5}, base) == pytest.approx(0.8)
+    # first tokens no later than the base model's: nothing extra to pay, the bound is 1
+    assert cost_model_bound({"latency_p50_s": 4.1, "ttft_p50_s": 0.4}, base) == 1.0
