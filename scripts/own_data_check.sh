@@ -33,4 +33,4 @@ for m in lora bitune bitune_share0.1; do
   fi
   evaluate "$OUT/$m" "$m" --checkpoint "$OUT/$m/final"
 done
-"$BITUNE" report "$OUT" --output "$OUT"
+"$BITUNE" report "$OUT" --output "$OUT/report"
