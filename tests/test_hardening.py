@@ -17,6 +17,7 @@ import pytest
 from bitune.cli import EXTRAS, VERBS, main
 from helpers.gen import save_checkpoint
 from helpers.models import perturb_adapters, tiny_bitune
+from test_cli_errors import one_error_line
 
 
 def manifest(*folders: Path) -> dict[str, str]:
@@ -27,13 +28,6 @@ def manifest(*folders: Path) -> dict[str, str]:
             if p.is_file():
                 out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
-
-
-def one_error_line(capsys, verb: str) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith(f"bitune {verb}: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------- 1. data replaced or deleted
