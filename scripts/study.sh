@@ -33,19 +33,7 @@ BITUNE=${BITUNE:-.venv/bin/bitune}
 
 part3() {
   local out=${OUT3:-results/smollm2-csqa-piqa-siqa}
-  local pin
-  pin=$(cat "$out/COMMIT")
-  local tree=${PIN_TREE:-.study/$pin}
-  if [ ! -d "$tree" ]; then
-    git worktree add --detach "$tree" "$pin"
-  fi
-  export PYTHONPATH="$PWD/$tree/src"  # bitune imported from the pinned tree, ahead of this checkout's
-  local got
-  got=$(.venv/bin/python -c 'from bitune.provenance import source_commit; print(source_commit())')
-  if [ "$got" != "$pin" ]; then
-    echo "study part 3: bitune imports from commit $got, not the pinned $pin" >&2
-    exit 1
-  fi
+  pin_tree "$out"  # bitune imported from the pinned tree, ahead of this checkout's
   # Configs are read from this checkout (each run's settings.yaml records them whole; the step counts of
   # configs/study/part3 were measured at the pin); the code is the pinned commit's.
   local conf="configs/study" ec="configs/study/part3"
