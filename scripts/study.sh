@@ -12,7 +12,7 @@
 #   OUT=results/smollm2-paper CONFIG_DIR=configs/tasks ./scripts/study.sh
 #                                          # the paper's protocol as written (batch 1 x 10, CSQA one epoch; GPU)
 #   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
-#   PART=4 THREADS=1 ./scripts/study.sh         # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
+#   PART=4 THREADS=1 LANES=2 ./scripts/study.sh # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
 #
 # Part 3 (results/smollm2-csqa-piqa-siqa): CSQA and (if LoRA learns it; PIQA and SIQA did not) ARC-Easy, each
 # with pretrained, LoRA r8, LoRA r16, LoRA r8
@@ -105,8 +105,10 @@ open(sys.argv[3], "w").write(
 PY
     fi
     local lrs="$conf/lr/lora_lr1e-4.yaml,$conf/lr/lora_lr3e-4.yaml,$conf/lr/lora_lr1e-3.yaml,$conf/lr/lora_lr3e-3.yaml"
+    sweep_each --config "$conf/$task.yaml" --seeds 42 --tasks "$task" --split tuning --output-dir "$tdir" \
+      -- pretrained ${lrs//,/ }
     "$BITUNE" sweep --config "$conf/$task.yaml" --methods "pretrained,$lrs" --seeds 42 --tasks "$task" \
-      --split tuning --output-dir "$tdir"
+      --split tuning --output-dir "$tdir"  # all done by now: the report over every run
     if [ ! -f "$tdir/lr" ]; then
       local best
       best=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" lora_lr1e-4 lora_lr3e-4 lora_lr1e-3 lora_lr3e-3)
@@ -118,9 +120,8 @@ PY
     fi
     local lr
     lr=$(cat "$tdir/lr")
-    "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" \
-      --methods "$conf/bitune_share0.1.yaml,$conf/bitune_share0.01.yaml" --seeds 42 --tasks "$task" \
-      --split tuning --output-dir "$tdir"
+    sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds 42 --tasks "$task" --split tuning \
+      --output-dir "$tdir" -- "$conf/bitune_share0.1.yaml" "$conf/bitune_share0.01.yaml"
     if [ ! -f "$tdir/bitune_warm.yaml" ]; then
       local warm
       warm=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" bitune_share0.1 bitune_share0.01)
@@ -128,12 +129,35 @@ PY
         grep -v '^#' "$conf/$warm.yaml"; } > "$tdir/bitune_warm.yaml"
     fi
     for seed in $SEEDS; do
-      "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" \
-        --methods "pretrained,lora,bitune,$dir/lora_compute.yaml,$tdir/bitune_warm.yaml" --seeds "$seed" \
-        --tasks "$task" --output-dir "$dir"
+      sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds "$seed" --tasks "$task" --output-dir "$dir" \
+        -- pretrained lora bitune "$dir/lora_compute.yaml" "$tdir/bitune_warm.yaml"
     done
+    "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" --seeds ${SEEDS// /,} --tasks "$task" \
+      --methods "pretrained,lora,bitune,$dir/lora_compute.yaml,$tdir/bitune_warm.yaml" --output-dir "$dir"
   done
   unset PYTHONPATH
+}
+
+# One `bitune sweep` per method (the arguments before `--` are every sweep's, the methods follow it), LANES of
+# them at a time (default 1; LANES=2 THREADS=1 keeps both cores of a 2-core machine busy, which a single process
+# at 2 threads does not). The runs are the same whatever LANES is: each draws its batches from its own seed; only
+# the wall-clock times in the logs differ. Each process writes the folder's report over its own runs, so the
+# caller runs one sweep over all of them afterwards (every run skipped) for the report over the folder.
+sweep_each() {
+  local -a common=() pids=()
+  while [ "$1" != -- ]; do common+=("$1"); shift; done
+  shift
+  local method failed=0
+  for method in "$@"; do
+    "$BITUNE" sweep "${common[@]}" --methods "$method" &
+    pids+=("$!")
+    if [ "${#pids[@]}" -ge "${LANES:-1}" ]; then
+      wait "${pids[0]}" || failed=1
+      pids=("${pids[@]:1}")
+    fi
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  return "$failed"
 }
 
 # The study's code: a git worktree at the commit in $1/COMMIT, imported ahead of this checkout's (so every method
