@@ -17,6 +17,7 @@ from bitune.generation import pick_template
 from bitune.loading import load_bitune
 from bitune.serve.app import Served, create_app
 from bitune.serve.scheduler import Job, Scheduler
+from bitune.serve.slots import SlotBatch
 from helpers.models import EOS, perturb_adapters, tiny_bitune
 
 WAIT = 60
@@ -44,14 +45,17 @@ def scheduler_model(arch: str, variant: str = "bitune") -> BituneModel:
 
 @contextlib.contextmanager
 def serving(checkpoint=None, model=None, api_key=None, max_batch_size=16, max_queue=64, max_body_bytes=1 << 20,
-            name="tiny"):
-    """Yields ``(base_url, scheduler, served)``; the server is stopped on exit."""
+            name="tiny", max_len=None, slots=False):
+    """Yields ``(base_url, scheduler, served)``; the server is stopped on exit. ``max_len``: the server's
+    ``--max-model-len``; ``slots``: run the rows in an (uncompiled) :class:`~bitune.serve.slots.SlotBatch`, the
+    engine of ``--compile``."""
     import uvicorn
 
     bitune, tokenizer = load_bitune(str(checkpoint) if checkpoint else None, model, device="cpu")
     template, _ = pick_template(bitune, tokenizer)
-    served = Served(bitune, tokenizer, name, template)
-    scheduler = Scheduler(bitune, tokenizer, max_batch_size, max_queue)
+    served = Served(bitune, tokenizer, name, template, max_len)
+    batch = SlotBatch(bitune, max_batch_size, served.context, compile=False) if slots else None
+    scheduler = Scheduler(bitune, tokenizer, max_batch_size, max_queue, batch=batch)
     app = create_app(served, scheduler, api_key, max_body_bytes)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

@@ -53,6 +53,8 @@ class Server:
     process: subprocess.Popen | None = None
     log: object = None
     results: list[dict] = field(default_factory=list)
+    compile_s: float | None = None
+    """The startup compile time ``bitune serve --compile`` printed (read from its log once it stopped)."""
 
 
 def prompts(tokenizer, n: int, length: int) -> list[str]:
@@ -117,6 +119,14 @@ def stop(server: Server) -> None:
             server.process.kill()
     if server.log is not None:
         server.log.close()
+
+
+def compile_seconds(log: Path) -> float | None:
+    """The compile time a ``bitune serve --compile`` log states ("compiled in 12.3 s"), else None."""
+    import re
+
+    found = re.search(r"compiled in ([0-9.]+) s", log.read_text(errors="replace")) if log.is_file() else None
+    return float(found.group(1)) if found else None
 
 
 def request(server: Server, prompt: str, new_tokens: int) -> dict:
@@ -227,16 +237,20 @@ def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str,
         finally:
             for s in servers:
                 stop(s)
+                s.compile_s = compile_seconds(Path(s.log.name)) if s.log is not None else None
         out.update({s.name: s.results for s in servers})
     return out
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def ours(name: str, source: list[str], args, batch: int, merge: bool = True) -> Server:
+def ours(name: str, source: list[str], args, batch: int, merge: bool = True, compile: bool = False) -> Server:
+    # compiled: for the load's batch (every client at once) and --max-batch-size, positions for one request
+    compiled = ["--compile", "--compile-buckets", str(min(args.clients, batch)), "--max-model-len",
+                str(args.prompt_tokens + args.new_tokens + 8)] if compile else []
     command = [sys.executable, "-m", "bitune.cli", "serve", *source, "--served-model-name", "m", "--threads",
                str(args.threads), "--dtype", args.dtype, "--max-batch-size", str(batch), "--max-queue", "4096",
                "--log-level", "warning", *(["--device", args.device] if args.device else []),
-               *([] if merge else ["--no-merge"])]
+               *([] if merge else ["--no-merge"]), *compiled]
     return Server(name, command, "m", lambda n: {"max_tokens": n, "temperature": 0, "ignore_eos": True,
                                                 "stream_options": {"include_usage": True}})
 
@@ -313,12 +327,23 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bitune-bench-serve-") as work:
         ckpts = checkpoints(args, Path(work))
         bitune, lora, batch = ["--checkpoint", ckpts["bitune"]], ["--checkpoint", ckpts["lora"]], args.max_batch_size
-        groups = [[ours("bitune", bitune, args, batch), ours("bitune_unmerged", bitune, args, batch, merge=False),
+        servers = [ours("bitune", bitune, args, batch), ours("bitune_unmerged", bitune, args, batch, merge=False),
                    ours("bitune_batch1", bitune, args, 1), ours("lora", lora, args, batch),
                    ours("lora_unmerged", lora, args, batch, merge=False),
                    ours("pretrained", ["--model", args.model], args, batch),
-                   *([] if args.no_transformers else [transformers_server(folder, args)])]]
-        rounds = run_servers(groups, texts, args)
+                   *([] if args.no_transformers else [transformers_server(folder, args)])]
+        if args.compile:
+            servers += [ours("bitune_compiled", bitune, args, batch, compile=True),
+                        ours("pretrained_compiled", ["--model", args.model], args, batch, compile=True)]
+        if args.only:
+            wanted = args.only.split(",")
+            unknown = sorted(set(wanted) - {s.name for s in servers})
+            if unknown:
+                raise BituneError(f"--only {args.only}: no server named {', '.join(unknown)}; the servers are "
+                                  f"{', '.join(s.name for s in servers)}")
+            servers = [s for s in servers if s.name in wanted]
+        rounds = run_servers([servers], texts, args)
+        compile_s = {s.name: s.compile_s for s in servers if s.compile_s is not None}
     rows = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
             for name, results in rounds.items()}
 
@@ -338,13 +363,19 @@ def measure(args) -> dict:
               "pretrained_vs_transformers_cpu": ratio("transformers_serve", "pretrained", "cpu_ms_per_token"),
               "bitune_vs_pretrained_cpu": ratio("pretrained", "bitune", "cpu_ms_per_token"),
               "bitune_unmerged_vs_pretrained": ratio("bitune_unmerged", "pretrained"),
-              "lora_unmerged_vs_pretrained": ratio("lora_unmerged", "pretrained")}
+              "lora_unmerged_vs_pretrained": ratio("lora_unmerged", "pretrained"),
+              "pretrained_compiled_vs_transformers": ratio("pretrained_compiled", "transformers_serve"),
+              "bitune_compiled_vs_transformers": ratio("bitune_compiled", "transformers_serve"),
+              "compiled_vs_eager": ratio("pretrained_compiled", "pretrained"),
+              "bitune_compiled_vs_eager": ratio("bitune_compiled", "bitune"),
+              "pretrained_ttft_vs_transformers": ratio("pretrained", "transformers_serve", "ttft_p50_s"),
+              "bitune_ttft_vs_transformers": ratio("bitune", "transformers_serve", "ttft_p50_s")}
     record = {"model": args.model, "device": args.device or "cpu", "dtype": args.dtype, "threads": args.threads,
               "clients": args.clients, "requests_per_client": args.requests, "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "rounds": args.rounds, "max_batch_size": args.max_batch_size,
               "checkpoints": {k: (v if getattr(args, k) else "fresh adapters (untrained)") for k, v in ckpts.items()},
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "servers": rows, "per_round": rounds, "ratios": ratios}
+              "servers": rows, "per_round": rounds, "ratios": ratios, "compile_s": compile_s}
     return record
 
 
@@ -372,10 +403,18 @@ RATIO_NAMES = {
     "bitune_unmerged_vs_pretrained": "Bitune unmerged (--no-merge) / base model",
     "lora_unmerged_vs_pretrained": "LoRA unmerged (--no-merge) / base model",
     "pretrained_vs_transformers_cpu": "base model / transformers serve, by CPU time per generated token",
-    "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token"}
+    "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token",
+    "pretrained_compiled_vs_transformers": "base model --compile / transformers serve",
+    "bitune_compiled_vs_transformers": "Bitune --compile / transformers serve (serving the base model)",
+    "compiled_vs_eager": "base model --compile / base model",
+    "bitune_compiled_vs_eager": "Bitune --compile / Bitune",
+    "pretrained_ttft_vs_transformers": "base model / transformers serve, time to first token (p50)",
+    "bitune_ttft_vs_transformers": "Bitune / transformers serve, time to first token (p50)"}
 """How :func:`render` names each ratio of the record."""
-_TOKENS_PER_S = {"batching", "bitune_vs_pretrained", "bitune_vs_pretrained_bound", "bitune_vs_lora", "pretrained_vs_transformers",
-                 "bitune_unmerged_vs_pretrained", "lora_unmerged_vs_pretrained"}
+_TOKENS_PER_S = {"batching", "bitune_vs_pretrained", "bitune_vs_pretrained_bound", "bitune_vs_lora",
+                 "pretrained_vs_transformers", "bitune_unmerged_vs_pretrained", "lora_unmerged_vs_pretrained",
+                 "pretrained_compiled_vs_transformers", "bitune_compiled_vs_transformers", "compiled_vs_eager",
+                 "bitune_compiled_vs_eager"}
 """The ratios of generated tokens/s."""
 
 
@@ -401,6 +440,8 @@ def render(record: dict) -> None:
     for key, value in record["ratios"].items():
         if value is not None:
             console.print(f"{RATIO_NAMES[key]}: {value:.2f}x" + (" generated tokens/s" if key in _TOKENS_PER_S else ""))
+    for name, seconds in record.get("compile_s", {}).items():
+        console.print(f"{name}: the decoding step compiled at start in {seconds:.1f} s")
     load_before = record["load_average_before"]
     console.print(f"load average (1, 5, 15 min) before {load_before[0]:.1f}, {load_before[1]:.1f}, "
                   f"{load_before[2]:.1f}; after {record['load_average_after'][0]:.1f}")

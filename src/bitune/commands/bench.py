@@ -97,6 +97,11 @@ def configure(parser) -> None:
     se.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
     se.add_argument("--device", default=None, help="torch device of the servers (default: cpu)")
     se.add_argument("--no-transformers", action="store_true", help="skip the transformers serve comparison")
+    se.add_argument("--compile", action="store_true", help="also serve the base model and Bitune with 'bitune serve "
+                    "--compile' (compiled for --clients rows and --max-batch-size; their startup compile times "
+                    "are recorded)")
+    se.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma-separated servers to run (default: all; e.g. pretrained,transformers_serve)")
     se.add_argument("--output", default=None, help=OUTPUT_HELP)
     ev = sub.add_parser("eval", help="multiple-choice scoring speed: the bitune lm-eval model type vs lm-eval's hf")
     ev.description = ("Every choice of the first --limit questions of one task scored by lm-eval's hf, by the "

@@ -28,6 +28,9 @@ OPTION_RANGES = (("--port", 0, 65535), ("--max-batch-size", 1, 1 << 16), ("--max
 """Each numeric option's allowed range ``(flag, low, high)``, checked at start: below it no request could be
 served (a queue of 0 is always full, a body limit under 1 KiB refuses every request); above it a timer overflows
 in the model's thread or the value is no setting anyone means."""
+COMPILE_DEFAULT_LEN = 2048
+"""``--max-model-len`` with ``--compile`` when not given (capped by the model's positions): the slot cache holds
+every position of every slot, so a model's whole context (32k for Qwen2.5) would hold gigabytes."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="an idle server reads a burst of requests together: it waits while they keep coming, "
                              "each within this many ms of the one before (at most 10x this in all); 0: read each "
                              f"first request at once; at most {MAX_BATCH_WAIT_MS}")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with a step compiled by torch.compile over a preallocated slot cache "
+                             "(--max-batch-size rows x --max-model-len positions per layer); the step is compiled "
+                             "for every batch-size bucket at start (minutes on a CPU), so no request waits on it")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="positions per request, prompt and answer together (default: the model's; with "
+                             f"--compile, at most {COMPILE_DEFAULT_LEN}, since every slot holds them all)")
+    parser.add_argument("--compile-buckets", default=None, metavar="B,B,...",
+                        help="with --compile, the batch sizes the step is compiled for; a step of n rows runs the "
+                             "smallest >= n (default: powers of two and --max-batch-size)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (>= 1024: a "
                         "smaller limit would refuse every request)")
     parser.add_argument("--drain-seconds", type=int, default=5,
@@ -129,9 +142,40 @@ def check_options(args: argparse.Namespace) -> None:
     if not args.host.strip():
         raise BituneError(f"--host {args.host!r} is empty: give an address to listen on, e.g. 127.0.0.1 (this "
                           "machine) or 0.0.0.0 (every interface)")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise BituneError(f"--max-model-len {args.max_model_len}: must be >= 2 (a prompt token and an answer token)")
+    args.buckets = None
+    if args.compile_buckets is not None:
+        if not args.compile:
+            raise BituneError("--compile-buckets needs --compile")
+        try:
+            args.buckets = sorted({int(b) for b in args.compile_buckets.split(",")})
+        except ValueError:
+            raise BituneError(f"--compile-buckets {args.compile_buckets!r}: give batch sizes, e.g. 1,4,16") from None
+        if args.buckets[0] < 1 or args.buckets[-1] > args.max_batch_size:
+            raise BituneError(f"--compile-buckets {args.compile_buckets}: each must be in [1, --max-batch-size "
+                              f"{args.max_batch_size}]")
+        args.buckets = sorted({*args.buckets, args.max_batch_size})
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise BituneError("--served-model-name is empty: clients name the model in every request; give a name or "
                           "leave the option out (default: the checkpoint or model)")
+
+
+def compiled_batch(model, served, args: argparse.Namespace):
+    """``--compile``: the slot batch, its step compiled for every bucket now (timed and printed, with the memory
+    the slots hold); ``served.context`` becomes the slots' length."""
+    from ..decoding import decode_compile_config
+    from ..serve.slots import SlotBatch
+
+    decode_compile_config(next(model.parameters()).device)  # a CPU without a C++ compiler fails here, in one line
+    length = served.context if args.max_model_len else min(served.context or COMPILE_DEFAULT_LEN, COMPILE_DEFAULT_LEN)
+    served.context = length
+    print(f"bitune serve: compiling the decoding step for batch sizes {args.buckets or 'by default'} over "
+          f"{args.max_batch_size} slots x {length} positions...", file=sys.stderr)
+    batch = SlotBatch(model, args.max_batch_size, length, args.buckets)
+    print(f"bitune serve: compiled in {batch.compile_seconds:.1f} s (buckets {batch.buckets}); the slot cache holds "
+          f"{batch.cache.nbytes / 2**20:.0f} MiB", file=sys.stderr)
+    return batch
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,8 +198,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.checkpoint or args.model
     print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "
           f"{template} template ({why})", file=sys.stderr)
-    served = Served(model, tokenizer, name, template)
-    scheduler = Scheduler(model, tokenizer, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000)
+    served = Served(model, tokenizer, name, template, args.max_model_len)
+    batch = None
+    if args.compile:
+        batch = compiled_batch(model, served, args)
+    scheduler = Scheduler(model, tokenizer, args.max_batch_size, args.max_queue, args.batch_wait_ms / 1000,
+                          batch=batch)
     app = create_app(served, scheduler, key, args.max_body_bytes)
     # uvicorn turns SIGTERM into a graceful shutdown, then raises the signal again for the handler it found: a
     # no-op one lets a drained server exit 0, as after any finished command.

@@ -49,8 +49,8 @@ class Served:
         name: the model name clients must send (``model``).
         template: the chat endpoint's template (:func:`bitune.generation.pick_template`): ``"chat"``, ``"paper"``
             or ``"none"`` (verbatim prompts: one user message, as given).
-        context (int | None): the model's maximum position (prompt + answer), or None if the config names none
-            (set on construction).
+        context (int | None): the most positions a request uses (prompt + answer): ``max_len``, else the model's
+            maximum position, or None if the config names none (set on construction).
         end_ids (dict[str, frozenset[int]]): per template (``template`` and ``"none"``), the token ids that end an
             answer (eos, end of turn).
 
@@ -62,9 +62,15 @@ class Served:
     tokenizer: object
     name: str
     template: str
+    max_len: int | None = None
+    """Positions a request may use at most, prompt and answer (``--max-model-len``); None: the model's."""
 
     def __post_init__(self):
         self.context = max_positions(self.model.text_config)
+        if self.max_len is not None:
+            if self.context is not None and self.max_len > self.context:
+                raise BituneError(f"--max-model-len {self.max_len} exceeds the model's {self.context} positions")
+            self.context = self.max_len
         self.end_ids = {t: frozenset(end_of_turn_ids(self.tokenizer, self.model, t))
                         for t in {self.template, "none"}}
 

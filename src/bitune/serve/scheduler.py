@@ -142,6 +142,39 @@ class _Row:
         return "length" if done else None
 
 
+class EagerBatch:
+    """The running rows as one :class:`~bitune.passes.Prefill`, stepped eagerly (the default engine): rows join by
+    concatenation (left padding extended), leave by selection, and the cache grows by a position a step.
+    :class:`~bitune.serve.slots.SlotBatch` (``--compile``) has the same interface."""
+
+    def __init__(self, model):
+        self.model = model
+        self.state: Prefill | None = None
+
+    @property
+    def size(self) -> int:
+        """Running rows."""
+        return 0 if self.state is None else self.state.ids.shape[0]
+
+    def join(self, new: Prefill) -> None:
+        """Add the rows of a prefill after the running ones."""
+        self.state = new if self.state is None else Prefill.concat([self.state, new])
+
+    def step(self, pick: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """One decoding step of every row (:meth:`~bitune.model.BituneModel.decode_step`)."""
+        self.state = self.model.decode_step(self.state, pick)
+
+    def keep(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep``, in order; returns the new order (``keep``)."""
+        if len(keep) < self.size:
+            index = torch.tensor(keep, device=self.state.ids.device, dtype=torch.long)
+            self.state = self.state.select(index).trimmed() if keep else None
+        return keep
+
+    def clear(self) -> None:
+        self.state = None
+
+
 class Scheduler:
     """The model's one thread: a bounded queue of waiting jobs and the running decode batch.
 
@@ -155,10 +188,12 @@ class Scheduler:
         down_after: consecutive failed batches (a prompt batch that could not be read, a round that failed) with
             no answer completed since, after which the scheduler reports itself unhealthy (:attr:`failing`) until
             an answer completes again; requests are still taken, so a passing fault heals. Default 3.
+        batch: the running rows' engine: None (default) an :class:`EagerBatch`; a
+            :class:`~bitune.serve.slots.SlotBatch` of ``max_batch_size`` slots decodes with a compiled step.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 16, max_queue: int = 64, batch_wait: float = 0.02,
-                 down_after: int = 3):
+                 down_after: int = 3, batch=None):
         if max_batch_size < 1 or max_queue < 1 or not 0 <= batch_wait <= threading.TIMEOUT_MAX / 10:
             raise ValueError(f"max_batch_size must be >= 1 (got {max_batch_size}), max_queue >= 1 (got {max_queue}: "
                              f"0 refuses every request) and batch_wait in [0, {threading.TIMEOUT_MAX / 10:g}] s "
@@ -170,8 +205,10 @@ class Scheduler:
         self.device = next(model.parameters()).device
         self.pad = pad_id(tokenizer)
         self._waiting: collections.deque[Job] = collections.deque()
+        if batch is not None and batch.slots != max_batch_size:
+            raise ValueError(f"the slot batch holds {batch.slots} rows, not max_batch_size ({max_batch_size})")
         self._rows: list[_Row] = []
-        self._state: Prefill | None = None
+        self._batch = batch if batch is not None else EagerBatch(model)
         self._cond = threading.Condition()
         self._closing = False
         self.failure: str | None = None
@@ -262,7 +299,8 @@ class Scheduler:
                         ended = {id(r.job) for r in self._rows}
                         for job in [*(r.job for r in self._rows), *(j for j in admit if id(j) not in ended)]:
                             _emit(job, Event("error", f"generation failed: {type(e).__name__}: {e}"))
-                        self._rows, self._state = [], None
+                        self._rows = []
+                        self._batch.clear()
         except BaseException as e:
             log.exception("the scheduler thread stopped")
             self.failure = f"{type(e).__name__}: {e}"
@@ -273,7 +311,8 @@ class Scheduler:
                 self._waiting.clear()
             for job in left:
                 _emit(job, Event("error", message))
-            self._rows, self._state = [], None
+            self._rows = []
+            self._batch.clear()
 
     def _collect_burst(self) -> None:
         """With the lock held and no running rows: wait while requests keep arriving, each within
@@ -298,7 +337,7 @@ class Scheduler:
             for job in jobs:
                 _emit(job, Event("error", f"reading the prompt failed: {type(e).__name__}: {e}"))
             return
-        self._state = new if self._state is None else Prefill.concat([self._state, new])
+        self._batch.join(new)
         self._rows += [_Row(j, self.tokenizer, self.device) for j in jobs]
 
     def _step(self) -> None:
@@ -309,7 +348,7 @@ class Scheduler:
             picked.extend(row.pick(x) for row, x in zip(self._rows, logits))
             return torch.tensor(picked, device=logits.device)
 
-        self._state = self.model.decode_step(self._state, pick)  # a failure ends every row (the round's guard)
+        self._batch.step(pick)  # a failure ends every row (the round's guard)
         keep = []
         for i, (row, token) in enumerate(zip(self._rows, picked)):
             finish = None if row.job.cancelled else row.add(token)
@@ -320,8 +359,7 @@ class Scheduler:
             elif not row.job.cancelled:
                 keep.append(i)
         if len(keep) < len(self._rows):
-            self._rows = [self._rows[i] for i in keep]
-            self._state = self._state.select(torch.tensor(keep, device=self.device)).trimmed() if keep else None
+            self._rows = [self._rows[i] for i in self._batch.keep(keep)]
 
 
     def _batch_failed(self, why: str) -> None:
