@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from bitune.bench.serve import checkpoints, cpu_seconds, ours, prompts, run_servers, summarize
+from bitune.bench.serve import Prompts, checkpoints, cpu_seconds, ours, prompts, run_servers, summarize
 from bitune.errors import BituneError
 from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer
@@ -19,6 +19,15 @@ def test_prompts_have_exactly_the_asked_length_and_differ():
     tok = tiny_tokenizer()
     texts = prompts(tok, 5, 24)
     assert all(len(tok(t)["input_ids"]) == 24 for t in texts) and len(set(texts)) == 5
+
+
+def test_no_prompt_is_sent_twice_and_none_shares_a_cacheable_beginning():
+    tok = tiny_tokenizer()
+    fresh = Prompts(tok, 40)
+    texts = [t for _ in range(4) for t in fresh.take(8)]  # 4 rounds of 8 clients
+    assert len(set(texts)) == 32 and all(len(tok(t)["input_ids"]) == 40 for t in texts)
+    starts = {tuple(tok(t)["input_ids"][:16]) for t in texts}  # transformers serve caches blocks of 32 tokens
+    assert len(starts) == 32
 
 
 def test_summary_rates_and_percentiles():
@@ -51,8 +60,8 @@ def test_a_tiny_load_on_our_server_counts_every_generated_token(tmp_path):
     ckpt, _ = save_checkpoint(tmp_path)
     args = types.SimpleNamespace(threads=1, dtype="float32", device="cpu", rounds=1, requests=2, new_tokens=5)
     server = ours("tiny", ["--checkpoint", str(ckpt)], args, 4)
-    texts = prompts(tiny_tokenizer(), 2, 10)
-    results = run_servers([[server]], texts, args)["tiny"]  # a request with another token count raises
+    args.clients = 2
+    results = run_servers([[server]], Prompts(tiny_tokenizer(), 10), args)["tiny"]  # a request with another token count raises
     assert len(results) == 1 and results[0]["requests"] == 4 and results[0]["tokens_per_s"] > 0
     assert 0 < results[0]["cpu_ms_per_token"] < 1000 * results[0]["wall_s"]
     assert server.process.poll() is not None  # stopped
@@ -62,7 +71,7 @@ def test_a_server_that_fails_to_start_is_reported_with_its_own_error(tmp_path):
     args = types.SimpleNamespace(threads=1, dtype="float32", device="cpu", rounds=1, requests=1, new_tokens=2)
     server = ours("broken", ["--checkpoint", str(tmp_path / "missing")], args, 1)
     with pytest.raises(BituneError, match="server broken exited with status 2: .*is not a Bitune checkpoint"):
-        run_servers([[server]], ["a b"], args)
+        run_servers([[server]], Prompts(tiny_tokenizer(), 10), args)
 
 
 def test_given_checkpoints_must_be_what_their_rows_claim(tmp_path):

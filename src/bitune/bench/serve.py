@@ -5,7 +5,7 @@ Every server runs as its own process on 127.0.0.1 (``bitune serve``, or ``transf
 two Bitune ones and LoRA, then the base model and transformers serve) and loaded in turn, round by round, the
 order reversed every other round, so machine drift hits all alike; ratios are taken per round, then their
 median. A load is N clients each sending M streamed ``/v1/completions`` requests one after another: prompts of
-exactly P tokens (distinct per client) and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here,
+exactly P tokens (each request's its own, never sent before in the run: :class:`Prompts`) and exactly A generated tokens (end tokens ignored: ``ignore_eos`` here,
 a ``generation_config`` without eos for transformers). Reported per server: generated tokens/s and requests/s
 over the load's wall time, time to first token and latency p50 / p99, and the CPU time the server process
 (threads and children included) spent on the load per generated token: on a CPU that is the cost of a token,
@@ -18,6 +18,7 @@ import http.client
 import importlib.util
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -57,21 +58,39 @@ class Server:
     """The startup compile time ``bitune serve --compile`` printed (read from its log once it stopped)."""
 
 
-def prompts(tokenizer, n: int, length: int) -> list[str]:
+def prompts(tokenizer, n: int, length: int, start: int = 0) -> list[str]:
     """``n`` distinct texts that tokenize (with the tokenizer's special tokens, as both servers do) to exactly
-    ``length`` tokens."""
-    ids = tokenizer(TEXT * (1 + 2 * length // 50), add_special_tokens=False)["input_ids"]
-    special = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    ``length`` tokens: text ``i`` (from ``start``) is the words of a fixed paragraph in an order of its own (seeded by
+    ``i``), so no two share a beginning that a server's prefix cache could reuse."""
+    words = TEXT.split()
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
+        order = random.Random(i).sample(words, len(words))
+        ids = tokenizer(" ".join(order * (1 + 2 * length // len(words))), add_special_tokens=False)["input_ids"]
+        special = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
         for take in range(length - special, 0, -1):  # decoding can merge tokens: shorten until it fits
-            text = tokenizer.decode(ids[7 * i: 7 * i + take])
+            text = tokenizer.decode(ids[:take])
             if len(tokenizer(text)["input_ids"]) == length:
                 out.append(text)
                 break
         else:
             raise BituneError(f"cannot write a prompt of exactly {length} tokens with this tokenizer")
     return out
+
+
+class Prompts:
+    """Fresh prompts of exactly ``length`` tokens, none sent twice in a run: ``transformers serve`` caches the
+    prompts it has read (prefix caching, in blocks of ``--cb-block-size`` tokens) and would read a repeated one
+    (the same prompts every round, or every request of a client) from that cache, which is not the load a
+    benchmark of distinct requests means to measure."""
+
+    def __init__(self, tokenizer, length: int):
+        self.tokenizer, self.length, self.used = tokenizer, length, 0
+
+    def take(self, n: int) -> list[str]:
+        out = prompts(self.tokenizer, n, self.length, self.used)
+        self.used += n
+        return out
 
 
 def free_port() -> int:
@@ -170,14 +189,15 @@ def cpu_seconds(process: subprocess.Popen) -> float:
     return total
 
 
-def load(server: Server, texts: list[str], requests_per_client: int, new_tokens: int) -> dict:
-    """N clients (one per text), each sending its requests one after another; the load's summary."""
+def load(server: Server, fresh: Prompts, clients: int, requests_per_client: int, new_tokens: int) -> dict:
+    """N clients, each sending its requests (fresh prompts) one after another; the load's summary."""
+    texts = [fresh.take(requests_per_client) for _ in range(clients)]  # before the clock starts
     results, errors = [], []
     cpu_before = cpu_seconds(server.process)
 
-    def client(text: str) -> None:
+    def client(mine: list[str]) -> None:
         try:
-            for _ in range(requests_per_client):
+            for text in mine:
                 results.append(request(server, text, new_tokens))
         except Exception as e:  # reported below, after every client ended
             errors.append(e)
@@ -216,7 +236,7 @@ def _percentile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (pos - low)
 
 
-def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str, list[dict]]:
+def run_servers(groups: list[list[Server]], fresh: Prompts, args) -> dict[str, list[dict]]:
     """Group by group (the servers compared with each other, up at once; one group at a time bounds memory):
     start every server, warm each up, then ``args.rounds`` rounds of the load on each in turn."""
     logs = Path(tempfile.mkdtemp(prefix="bitune-bench-serve-"))
@@ -228,10 +248,10 @@ def run_servers(groups: list[list[Server]], texts: list[str], args) -> dict[str,
                 start(s, args.threads, logs)
             for s in servers:
                 wait_ready(s)
-                load(s, texts, 1, min(args.new_tokens, 4))  # warm-up: the first request pays one-time costs
+                load(s, fresh, args.clients, 1, min(args.new_tokens, 4))  # warm-up: the first request pays one-time costs
             for r in range(args.rounds):
                 for s in interleaved(servers, r):
-                    s.results.append(load(s, texts, args.requests, args.new_tokens))
+                    s.results.append(load(s, fresh, args.clients, args.requests, args.new_tokens))
                     print(f"bitune bench serve: round {r + 1}: {s.name}: {s.results[-1]['tokens_per_s']:.1f} "
                           f"tokens/s", file=sys.stderr)
         finally:
@@ -322,7 +342,8 @@ def measure(args) -> dict:
         raise BituneError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} do not fit the "
                           f"model's {positions} positions")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    texts = prompts(tokenizer, args.clients, args.prompt_tokens)
+    fresh = Prompts(tokenizer, args.prompt_tokens)
+    fresh.take(1)  # a prompt of exactly --prompt-tokens can be written (else one error now)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bitune-bench-serve-") as work:
         ckpts = checkpoints(args, Path(work))
@@ -342,7 +363,7 @@ def measure(args) -> dict:
                 raise BituneError(f"--only {args.only}: no server named {', '.join(unknown)}; the servers are "
                                   f"{', '.join(s.name for s in servers)}")
             servers = [s for s in servers if s.name in wanted]
-        rounds = run_servers([servers], texts, args)
+        rounds = run_servers([servers], fresh, args)
         compile_s = {s.name: s.compile_s for s in servers if s.compile_s is not None}
     rows = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
             for name, results in rounds.items()}
