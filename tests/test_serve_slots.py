@@ -161,3 +161,20 @@ def test_compiled_step_gives_the_eager_servers_greedy_tokens(arch, variant):
     _serve(model, jobs, batch)
     for job, n in zip(jobs, lengths):
         assert job.tokens == greedy_tokens(model, job.prompt, [], n)
+
+
+def test_grouped_attention_equals_sdpa_on_repeated_heads():
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from bitune.attention import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, q, length, dim = 3, 6, 2, 2, 11, 8
+    query = torch.randn(b, heads, q, dim, generator=g)
+    key, value = (torch.randn(b, kv_heads, length, dim, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, q, length, generator=g) > 0.3
+    mask[..., 0] = True  # every query attends to something
+    ref = torch.nn.functional.scaled_dot_product_attention(query, repeat_kv(key, 3), repeat_kv(value, 3),
+                                                           attn_mask=mask, scale=0.5)
+    out, _ = grouped_attention(None, query, key, value, mask, scaling=0.5)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)

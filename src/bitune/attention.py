@@ -121,5 +121,48 @@ def running(model: nn.Module, name: str, layout: Any) -> Iterator[None]:
         _RUNNING.reset(token)
 
 
-__all__ = ["IMPLEMENTATIONS", "attention_implementation", "block_attention", "check_implementation",
+# --------------------------------------------------------------------------------------------------- grouped
+GROUPED = "bitune_grouped"
+"""The attention implementation of the slot cache's decoding step (:mod:`bitune.serve.slots`)."""
+
+
+def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
+                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of few queries over many cached keys, each key/value head read once by its group of query heads
+    (grouped-query attention), with a boolean mask (True = attend).
+
+    transformers' sdpa and eager functions repeat every key/value head for its query heads before attending
+    when a mask is given (``repeat_kv``): a copy of the whole cache per layer and step, which for a slot cache
+    (every slot's full length) costs more than the step's attention itself. Here the query heads of a group are
+    stacked instead: (b, kv_heads, group * q, dim) against (b, kv_heads, length, dim).
+
+    Args:
+        query: (b, heads, q, dim).
+        key, value: (b, kv_heads, length, dim).
+        attention_mask: (b, 1, q, length) boolean.
+        scaling: the scores' scale (default dim ** -0.5); softcap: Gemma 2-style logit soft-capping, if any.
+
+    Returns:
+        The output (b, q, heads, dim), as transformers' attention functions return it, and no weights.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{GROUPED} attention does not implement attention sinks")
+    b, heads, q, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    scores = query.reshape(b, kv_heads, group * q, dim) @ key.transpose(-1, -2)  # (b, kv_heads, group*q, length)
+    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, group, q, -1).masked_fill(~attention_mask[:, :, None], float("-inf"))
+    probs = scores.float().softmax(-1).to(value.dtype).view(b, kv_heads, group * q, -1)
+    out = (probs @ value).view(b, heads, q, dim)  # heads in the order repeat_kv gives them
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED, grouped_attention)
+
+
+__all__ = ["GROUPED", "grouped_attention", "IMPLEMENTATIONS", "attention_implementation", "block_attention", "check_implementation",
            "inner_attention", "mask_format", "running"]
