@@ -32,9 +32,10 @@ def test_bench_generate_reports_prefill_and_decode(tmp_path):
                  "--new-tokens", "4", "--repeats", "1", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"base", "base_copy", "lora", "lora_unmerged", "bitune", "bitune_sequential",
-                                   "bitune_unmerged"}
+                                   "bitune_unmerged", "bitune_merged_bidir"}
+    assert result["memory_ratio"]["bitune_merged_bidir"] > result["memory_ratio"]["bitune"]  # the bidir copy
     assert result["default"] == "batched"  # what prompt_passes="auto" reads prompts with
-    for name in ("base_copy", "lora", "bitune", "bitune_sequential", "bitune_unmerged"):
+    for name in ("base_copy", "lora", "bitune", "bitune_sequential", "bitune_unmerged", "bitune_merged_bidir"):
         assert result[name]["prefill_ratio"] > 0 and result[name]["decode_ratio"] > 0
 
 

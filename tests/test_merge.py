@@ -265,3 +265,40 @@ def test_merged_smollm2_matches_unmerged():
     scores = [BituneLM(model=m, tokenizer=tokenizer, batch_size=2).loglikelihood(requests) for m in models]
     for (la, ga), (lb, gb) in zip(*scores):
         assert lb == pytest.approx(la, abs=1e-4) and ga == gb
+
+
+@pytest.mark.parametrize("variant", ["bitune", "no_mixing", "anti_causal"])
+def test_merging_the_bidir_set_into_a_copy_gives_the_unmerged_numbers(variant):
+    plain, merged = pair(variant)
+    both = tiny_bitune("llama", BituneConfig(variant=variant, rank=4, lora_alpha=8.0))
+    both.load_state_dict(plain.state_dict())
+    both.merge(bidir_copy=True).eval()
+    assert both.weights.merged_bidir_tensors() and not merged.weights.merged_bidir_tensors()  # the copy held
+    routed = "batched" if len(both.config.passes) == 2 else "sequential"  # one pass is always read alone
+    assert both.prefill_path() == "sequential" and merged.prefill_path() == routed  # no routing over a copy
+    ids, mask, answer_ids, answer_mask = prompts()
+    with torch.no_grad():
+        a = plain.answer_logits(plain.prefill(ids, mask), answer_ids, answer_mask)
+        b = both.answer_logits(both.prefill(ids, mask), answer_ids, answer_mask)
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+        torch.testing.assert_close(both(ids, mask, answer_ids, answer_mask).example_loss,  # the sequential path
+                                   plain(ids, mask, answer_ids, answer_mask).example_loss, atol=1e-4, rtol=0)
+    greedy = [m.generate(ids, mask, max_new_tokens=16, eos_token_id=None, pad_token_id=0) for m in (plain, both)]
+    assert torch.equal(greedy[0], greedy[1])
+    both.unmerge()
+    assert not both.weights.merged_bidir_tensors() and both.prefill_path() == routed
+
+
+def test_merge_bidir_is_a_load_option_and_excludes_no_merge(tmp_path, capsys):
+    from bitune.cli import main
+    from bitune.loading import load_bitune
+    from helpers.gen import save_checkpoint
+
+    ckpt, _ = save_checkpoint(tmp_path)
+    model, _ = load_bitune(str(ckpt), merge="both", device="cpu")
+    assert model.merged and model.weights.merged_bidir_tensors()
+    with pytest.raises(BituneError, match="merge='yes'"):
+        load_bitune(str(ckpt), merge="yes", device="cpu")
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--checkpoint", str(ckpt), "--merge-bidir", "--no-merge", "hi"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

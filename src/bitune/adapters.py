@@ -231,7 +231,7 @@ class WeightSets(nn.Module):
     def routable(self) -> bool:
         """Whether different weight sets can run on different rows or positions of one forward (plain LoRA)."""
         return (self.method == "lora" and self.peft and bool(self._lora_layers)
-                and len(self._lora_layers) == len(self._tuner_layers))
+                and len(self._lora_layers) == len(self._tuner_layers) and not self._bidir_merged)
 
     def can_route(self, names: list[str]) -> bool:
         """Whether one forward can apply these weight sets to different rows or positions (plain LoRA, or one
@@ -275,13 +275,16 @@ class WeightSets(nn.Module):
 
     # ----------------------------------------------------------------------------------------- inference
     @torch.no_grad()
-    def merge(self) -> None:
+    def merge(self, bidir_copy: bool = False) -> None:
         """Merge the causal set into the base weights (in place, PEFT's own merge), for inference: the causal
         prompt pass, the answer pass and every decoding step then run the base projections alone, at the base
         model's cost. The bidir prompt pass runs the merged weights plus the difference to the bidir set:
 
         - LoRA: ``s_b B_b A_b - s_c B_c A_c``, a rank-2r product of the factors already held (no extra memory;
-          :func:`routed_lora_forward`).
+          :func:`routed_lora_forward`), so the two prompt passes can run as one forward over both row sets.
+          With ``bidir_copy``, a merged copy of each weight instead, as for DoRA below: the bidir pass then costs
+          exactly the causal one (the base model's), for one more copy of the adapted weights in memory and
+          the two prompt passes run one after the other (prefill-heavy serving; ``bitune bench generate``).
         - DoRA, IA3 (whose difference is not low-rank: DoRA re-normalises each column): a merged copy of each
           weight the bidir set touches, swapped in for that pass (memory: one more copy of those weights).
         - ``method: full`` holds two weight copies already, and a variant without adapters has nothing to merge.
@@ -292,7 +295,7 @@ class WeightSets(nn.Module):
         """
         if self.merged or not self.peft:
             return
-        if "bidir" in self.names and not self.routable:
+        if "bidir" in self.names and (bidir_copy or not self.routable):
             self._bidir_merged = [self._merged_copy(layer, "bidir") for layer in self._tuner_layers]
         for layer in self._tuner_layers:
             layer.merge(adapter_names=["causal"])

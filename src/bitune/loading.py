@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def load_bitune(checkpoint: str | None = None, model: str | None = None, base: str | None = None,
                 dtype: torch.dtype | str = "float32", device: str | None = None, prompt_passes: str = "auto",
-                merge: bool = True) -> tuple[BituneModel, PreTrainedTokenizerBase]:
+                merge: bool | str = True) -> tuple[BituneModel, PreTrainedTokenizerBase]:
     """Load a Bitune checkpoint, or a base model as the ``pretrained`` variant, with its tokenizer.
 
     Give exactly one of ``checkpoint`` and ``model``.
@@ -37,8 +37,9 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice, not saved).
             Default ``"auto"``.
         merge: merge the causal weights into the base weights for inference (:meth:`BituneModel.merge`: the causal
-            passes and decoding run the base model's own linear layers); ``False`` keeps PEFT's unmerged adapter
-            layers. Default True.
+            passes and decoding run the base model's own linear layers); ``"both"`` also holds the bidir weights
+            merged, in a copy of the adapted weights (the bidir prompt pass at the base model's cost); ``False``
+            keeps PEFT's unmerged adapter layers. Default True.
 
     Returns:
         model: The :class:`BituneModel` in eval mode on ``device``; a base model is the ``pretrained`` variant.
@@ -55,6 +56,8 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
     for flag, value in (("--checkpoint", checkpoint), ("--base", base)):
         if value is not None:
             check_named(value, flag)  # "" is no folder to read, nor "use the recorded base model"
+    if merge not in (True, False, "both"):
+        raise BituneError(f"merge={merge!r} is not True, False or 'both'")
     if prompt_passes not in PROMPT_PASSES:
         raise BituneError(f"prompt_passes={prompt_passes!r} is not one of {', '.join(PROMPT_PASSES)}")
     device = resolve_device(device)

@@ -165,10 +165,11 @@ class BituneModel(nn.Module):
         """Whether the causal weights are merged into the base weights (inference; :meth:`merge`)."""
         return self.weights.merged
 
-    def merge(self) -> BituneModel:
+    def merge(self, bidir_copy: bool = False) -> BituneModel:
         """Merge the causal weight set into the base weights, in place, for inference
-        (:meth:`bitune.adapters.WeightSets.merge` says what it does). Returns the model itself."""
-        self.weights.merge()
+        (:meth:`bitune.adapters.WeightSets.merge` says what it does; ``bidir_copy`` also holds the bidir set
+        merged, in a copy of the adapted weights). Returns the model itself."""
+        self.weights.merge(bidir_copy)
         return self
 
     def unmerge(self) -> BituneModel:
@@ -403,7 +404,7 @@ class BituneModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, base: nn.Module | str | None = None,
-                        prompt_passes: str = "auto", merge: bool = True, **load_kwargs) -> BituneModel:
+                        prompt_passes: str = "auto", merge: bool | str = True, **load_kwargs) -> BituneModel:
         """Load a checkpoint written by :meth:`save_pretrained`, strictly (every tensor must match), in eval mode (as
         transformers' ``from_pretrained``).
 
@@ -414,7 +415,8 @@ class BituneModel(nn.Module):
             prompt_passes: how the passes run (``bitune.config.PROMPT_PASSES``; a runtime choice). Default
                 ``"auto"``.
             merge: merge the causal weights for inference after loading (:meth:`merge`; the checkpoint on disk is
-                unchanged); ``False`` keeps PEFT's unmerged layers (to train on, or to compare). Default True.
+                unchanged); ``"both"`` also holds the bidir weights merged (:meth:`merge` with ``bidir_copy``);
+                ``False`` keeps PEFT's unmerged layers (to train on, or to compare). Default True.
             **load_kwargs: passed to :func:`bitune.hub.load_model` when ``base`` is a name (``dtype``, ...).
 
         Raises:
@@ -432,7 +434,7 @@ class BituneModel(nn.Module):
         model = cls(base, config, prompt_passes)
         model.load_weights(directory)
         if merge:
-            model.merge()
+            model.merge(bidir_copy=merge == "both")
         return model.eval()  # as transformers' from_pretrained: dropout off until train() is called
 
     def load_weights(self, directory: str | os.PathLike) -> None:

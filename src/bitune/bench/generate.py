@@ -2,7 +2,8 @@
 
 Prefill a long prompt, generate N tokens; a streamer timestamps every new token, so prefill time and decode rate
 come from the same call. Also the memory each model holds (parameters, buffers, merged copies) against the base
-model's.
+model's. Bitune is timed merged (its bidir pass the low-rank difference on the merged weights), unmerged, and
+with the bidir set merged into a copy too (``--merge-bidir``: each prompt pass at the base model's cost).
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def measure(args) -> dict:
     base_copy = load_model(args.model, dtype=dtype)[0].to(device).eval()  # the control: same model, measured again
     bitune, _ = build(args.model, "bitune", device, dtype)
     bitune_unmerged, _ = build(args.model, "bitune", device, dtype)
+    bitune_bidir, _ = build(args.model, "bitune", device, dtype)  # --merge-bidir: the bidir set merged too
     lora, _ = build(args.model, "lora", device, dtype)
     lora_unmerged, _ = build(args.model, "lora", device, dtype)
-    for m in (bitune, bitune_unmerged, lora, lora_unmerged):
+    for m in (bitune, bitune_unmerged, bitune_bidir, lora, lora_unmerged):
         m.eval()
     bitune.merge()
+    bitune_bidir.merge(bidir_copy=True)
     lora.merge()
     prompt = random_prompts(bitune.text_config.vocab_size, 1, args.prompt_tokens, device)
     gen = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False)
@@ -97,7 +100,8 @@ def measure(args) -> dict:
                "lora": hf_generate(lora.weights.model),
                "lora_unmerged": hf_generate(lora_unmerged.weights.model),
                "bitune": bitune_generate(bitune, "auto"), f"bitune_{other}": bitune_generate(bitune, other),
-               "bitune_unmerged": bitune_generate(bitune_unmerged, "auto")}
+               "bitune_unmerged": bitune_generate(bitune_unmerged, "auto"),
+               "bitune_merged_bidir": bitune_generate(bitune_bidir, "auto")}
     if args.compile:
         # decoding compiled, from a static cache; the first call of a shape compiles
         runners.update(base_compiled=hf_generate(base_model, cache_implementation="static",
@@ -119,7 +123,8 @@ def measure(args) -> dict:
                                                         for c in clocks),
                       "total_s": statistics.median(c.times[-1] - c.start for c in clocks)}
     memory = {"base": held_bytes(base_model), "lora": held_bytes(lora), "lora_unmerged": held_bytes(lora_unmerged),
-              "bitune": held_bytes(bitune), "bitune_unmerged": held_bytes(bitune_unmerged)}
+              "bitune": held_bytes(bitune), "bitune_unmerged": held_bytes(bitune_unmerged),
+              "bitune_merged_bidir": held_bytes(bitune_bidir)}
     summary = {"default": default, "memory_bytes": memory,
                "memory_ratio": {k: v / memory["base"] for k, v in memory.items() if k != "base"}}
     for name in runners:
@@ -148,8 +153,10 @@ def render(result: dict) -> None:
     console.print(table)
     memory = result["memory_ratio"]
     console.print(f"Memory held (parameters, buffers, merged copies) / base model: Bitune merged "
-                  f"{memory['bitune']:.3f}x, unmerged {memory['bitune_unmerged']:.3f}x, LoRA merged "
-                  f"{memory['lora']:.3f}x.")
+                  f"{memory['bitune']:.3f}x, unmerged {memory['bitune_unmerged']:.3f}x, with the bidir set merged "
+                  f"too (--merge-bidir) {memory['bitune_merged_bidir']:.3f}x, LoRA merged {memory['lora']:.3f}x.")
+    console.print(f"Bitune with the bidir set merged too (--merge-bidir) / base: prefill "
+                  f"{result['bitune_merged_bidir']['prefill_ratio']:.2f}x (the two prompt passes' floor: 2x).")
     console.print(f"Noise floor: a second copy of the base model measured the same way: prefill "
                   f"{result['base_copy']['prefill_ratio']:.2f}x, decode {result['base_copy']['decode_ratio']:.3f}x "
                   "(a ratio closer to 1 than this is not resolved by this run).")

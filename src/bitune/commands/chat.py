@@ -13,7 +13,7 @@ from ..chat import MODE_ALIASES, MODES, Conversation
 from ..errors import BituneError
 from ..files import check_output_file, check_replaces_own, check_text
 from ..loading import load_bitune
-from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
+from .options import HelpFormatter, add_model_options, add_sampling_options, merge_mode, model_inputs, sampling_options
 
 COMMANDS = "/reset clears the history, /exit (or /quit) quits, // starts a message with /"
 HELP = "multi-turn chat with a checkpoint in the terminal"
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.save, "--save", keep=model_inputs(args))  # before loading
         check_replaces_own(args.save, "--save", "a conversation saved by bitune chat", is_conversation)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
-                                   merge=not args.no_merge)
+                                   merge=merge_mode(args))
     if args.seed is not None:
         set_seed(args.seed)
     conv = Conversation(model, tokenizer, mode=args.mode, template=args.template, max_new_tokens=args.max_new_tokens,

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import BituneError
 from ..files import check_named, check_output_file, check_replaces_own
 from ..records import RESULT_FILE, SCHEMA
-from .options import add_merge_option, add_prompt_passes_option, add_threads_option, model_inputs
+from .options import add_merge_option, add_prompt_passes_option, add_threads_option, merge_mode, model_inputs
 
 HELP = "evaluate a checkpoint or base model with lm-evaluation-harness"
 
@@ -74,7 +74,7 @@ def eval_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    return argv + (["--no-merge"] if args.no_merge else [])
+    return argv + (["--no-merge"] if args.no_merge else []) + (["--merge-bidir"] if args.merge_bidir else [])
 
 
 def is_result(record) -> bool:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
                      limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
                      seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
-                     template=args.template, prompt_passes=args.prompt_passes, merge=not args.no_merge,
+                     template=args.template, prompt_passes=args.prompt_passes, merge=merge_mode(args),
                      split=args.split)
     if args.checkpoint and out is not None:  # the checkpoint's model card shows the results just written
         from ..modelcard import refresh_evaluation

@@ -27,7 +27,7 @@ from ..files import (
 )
 from ..generation import generate_texts, pick_template
 from ..loading import load_bitune
-from .options import HelpFormatter, add_model_options, add_sampling_options, model_inputs, sampling_options
+from .options import HelpFormatter, add_model_options, add_sampling_options, merge_mode, model_inputs, sampling_options
 
 HELP = "generate answers from a checkpoint"
 
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     records, prompts = read_prompts(args.input) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,
-                                   merge=not args.no_merge)
+                                   merge=merge_mode(args))
     if args.seed is not None:
         set_seed(args.seed)
     template, why = pick_template(model, tokenizer, args.template)

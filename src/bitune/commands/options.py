@@ -80,11 +80,24 @@ def add_prompt_passes_option(parser: argparse.ArgumentParser) -> None:
 
 
 def add_merge_option(parser: argparse.ArgumentParser) -> None:
-    """``--no-merge``: keep PEFT's unmerged adapter layers instead of merging the causal weights for inference."""
-    parser.add_argument("--no-merge", action="store_true",
-                        help="keep the adapters unmerged (default: the causal weights are merged into the base "
-                             "weights at load, so decoding runs at the base model's speed; the same numbers to "
-                             "float rounding)")
+    """``--no-merge``: keep PEFT's unmerged adapter layers instead of merging the causal weights for inference;
+    ``--merge-bidir``: merge the bidir weights too, into a copy (:func:`merge_mode` reads them)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--no-merge", action="store_true",
+                       help="keep the adapters unmerged (default: the causal weights are merged into the base "
+                            "weights at load, so decoding runs at the base model's speed; the same numbers to "
+                            "float rounding)")
+    group.add_argument("--merge-bidir", action="store_true",
+                       help="also hold the bidir weights merged, in a copy of the adapted weights (more memory), "
+                            "so the second prompt pass costs what the first does; for long prompts (default: the "
+                            "bidir pass adds its low-rank difference to the merged weights)")
+
+
+def merge_mode(args: argparse.Namespace) -> bool | str:
+    """``load_bitune``'s ``merge`` from ``--no-merge`` / ``--merge-bidir``: False, ``"both"`` or True."""
+    if getattr(args, "merge_bidir", False):
+        return "both"
+    return not args.no_merge
 
 
 def sampling_options(args: argparse.Namespace) -> dict:

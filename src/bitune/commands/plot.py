@@ -12,7 +12,7 @@ from ..files import check_output_dir, check_text
 from ..generation import pick_template
 from ..loading import load_bitune
 from ..plot import ATTENTION_FILE, FINAL_FILE, STEPS_FILE, plot_attention, plot_mixing
-from .options import add_model_options
+from .options import add_model_options, merge_mode
 
 HELP = "plot mixing ratios over training and attention maps"
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         paths = plot_mixing(args.log, args.output)
     else:
         model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
-                                       args.prompt_passes, merge=not args.no_merge)
+                                       args.prompt_passes, merge=merge_mode(args))
         template, why = pick_template(model, tokenizer, args.template)
         print(f"bitune plot: {template} template ({why})", file=sys.stderr)
         paths = [plot_attention(model, tokenizer, args.prompt, args.output, template, args.max_labels)]

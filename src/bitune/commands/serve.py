@@ -16,7 +16,7 @@ import socket
 import sys
 
 from ..errors import BituneError
-from .options import HelpFormatter, add_model_options
+from .options import HelpFormatter, add_model_options, merge_mode
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
 KEY_ENV = "BITUNE_API_KEY"
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.scheduler import Scheduler
 
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device,
-                                   args.prompt_passes, merge=not args.no_merge)
+                                   args.prompt_passes, merge=merge_mode(args))
     template, why = pick_template(model, tokenizer, args.template)
     name = args.served_model_name or args.checkpoint or args.model
     print(f"bitune serve: {name!r} on http://{args.host}:{args.port}/v1, chat requests written with the "
