@@ -10,7 +10,9 @@ Each step
 (:meth:`~bitune.model.BituneModel.decode_step`, the causal weights on the mixed cache, as ``generate`` decodes)
 picks every row's next token with that row's own sampling settings and generator. A row leaves the batch
 (:meth:`~bitune.passes.Prefill.select`) the step it ends: an end-of-answer token, a stop string, its token
-budget, or its client gone. The model code is the library's; this module only decides which rows run when.
+budget, or its client gone. The model code is the library's; this module only decides which rows run when. The
+rows live in an engine behind one interface: :class:`EagerBatch` (the default, above) or, with ``--compile``,
+:class:`~bitune.serve.slots.SlotBatch` (a preallocated slot cache and a compiled step).
 
 Requests talk to the scheduler through a :class:`Job`: the HTTP side fills in what to generate and an ``emit``
 callback (thread-safe), the scheduler calls ``emit`` with each :class:`Event`: text deltas, then one ``end`` or
