@@ -146,3 +146,51 @@ def test_part3_reading_cites_the_agreement_the_runs_show(task):
     assert f"differ by at most {loss} (median {median})" in reading
     low, high = ratios.split("-")
     assert f"gradient norm is {low}-{high}x r8's (median {ratio_median}" in reading
+
+
+PART4 = RESULTS / "qwen2.5-arc-easy-csqa"
+
+
+def test_study_part4_runs_come_from_the_pinned_commit_and_share_batches():
+    """Part 4's promise, for every finished run so far: trained at the commit in COMMIT, every step's batches
+    recorded, and runs of one task and seed (the lr sweep's, the grid's) drawing the same batches step for step (a
+    longer run continuing the sequence)."""
+    pin = (PART4 / "COMMIT").read_text().strip()
+    logs = sorted(p for p in PART4.glob("**/*-*/log.jsonl") if (p.parent / "eval.json").is_file())
+    if not logs:
+        pytest.skip("part 4 has no finished training run yet")
+    runs: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for path in logs:
+        commit, batches = _log(path)
+        assert commit == pin, f"{path}: trained at {commit}, not the pinned {pin}"
+        steps = yaml.safe_load((path.parent / "settings.yaml").read_text())["steps"]
+        assert len(batches) == steps, f"{path}: {len(batches)} batch digests for {steps} steps"
+        method, seed = path.parent.name.rsplit("-", 1)
+        task = yaml.safe_load((path.parent / "settings.yaml").read_text())["dataset"]
+        runs.setdefault((task, seed), {})[f"{path.parent.parent.name}/{method}"] = batches
+    for (task, seed), methods in runs.items():
+        longest = max(methods.values(), key=len)
+        for method, batches in methods.items():
+            assert batches == longest[:len(batches)], f"{task} seed {seed}: {method} drew other batches"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent for p in PART4.glob("tuning/*/report.md")), ids=lambda p: p.name)
+def test_study_part4_tuning_picks_reproduce_from_the_committed_runs(folder):
+    """The tuning split's report reproduces from its eval files, every run was scored on the task's tuning split
+    (never the reported one), and the learning rate written in ``lr`` is the one ``scripts/study_pick.py`` picks."""
+    import subprocess
+    import sys
+
+    from bitune.data.datasets import DATASETS
+
+    records = load_records(find_results([str(folder)]))
+    _, markdown, _ = build_markdown(records, settings=find_settings([folder])[0])
+    assert markdown == (folder / "report.md").read_text(encoding="utf-8")
+    for path in folder.glob("*/eval.json"):
+        assert json.loads(path.read_text())["config"]["splits"] == {folder.name: DATASETS[folder.name].dev_split}
+    if (folder / "lr").is_file():
+        labels = ["lora_lr1e-4", "lora_lr3e-4", "lora_lr1e-3", "lora_lr3e-3"]
+        script = RESULTS.parent / "scripts" / "study_pick.py"
+        done = subprocess.run([sys.executable, str(script), str(folder), *labels], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "lora_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
