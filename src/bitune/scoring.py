@@ -149,10 +149,12 @@ def score_continuations(weights: WeightSets, text_config, prefill: Prefill,
     with attention.running(base, NAME, list(zip([0] + bounds[:-1], bounds))):
         out = weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
                                  position_ids=positions[None], cache=cache, use_cache=True)
-    logits = out.logits[0, packed.columns]  # (N, V)
-    # log_softmax then gather: 2.6x faster than logsumexp over a 49k vocabulary on a CPU thread (measured)
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, packed.targets[:, None])[:, 0]  # (N,)
-    misses = (logits.argmax(-1) != packed.targets).float()  # (N,)
+    # Normalised once per position (a prompt's last token predicts the first token of each of its continuations),
+    # then only the N target entries read: no (N, V) copy of the logits. log_softmax rather than logsumexp: 2.6x
+    # faster over a 49k vocabulary on a CPU thread (measured).
+    logits = out.logits[0]  # (S, V)
+    logp = torch.log_softmax(logits.float(), dim=-1)[packed.columns, packed.targets]  # (N,)
+    misses = (logits.argmax(-1)[packed.columns] != packed.targets).float()  # (N,)
     count = int(packed.owner[-1]) + 1
     total = torch.zeros(count, device=device).index_add_(0, packed.owner, logp)
     missed = torch.zeros(count, device=device).index_add_(0, packed.owner, misses)
