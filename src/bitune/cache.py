@@ -154,8 +154,8 @@ def flatten_rows(cache, rows: torch.Tensor):
     out.layers = [copy.copy(layer) for layer in cache.layers]
     for layer in out.layers:
         for name in ("keys", "values"):
-            x = getattr(layer, name).index_select(0, rows.to(layer.keys.device))  # (R, h, T, d)
-            setattr(layer, name, x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[3]))  # (1, h, R*T, d)
+            x = getattr(layer, name).transpose(0, 1).index_select(1, rows.to(layer.keys.device))  # (h, R, T, d)
+            setattr(layer, name, x.reshape(1, x.shape[0], -1, x.shape[3]))  # (1, h, R*T, d): a view, one copy in all
     return out
 
 
