@@ -178,3 +178,34 @@ def test_grouped_attention_equals_sdpa_on_repeated_heads():
                                                            attn_mask=mask, scale=0.5)
     out, _ = grouped_attention(None, query, key, value, mask, scaling=0.5)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_step_ends_its_rows_and_the_slots_serve_the_next_requests():
+    model = scheduler_model("llama")
+    batch = SlotBatch(model, slots=2, length=32, compile=False)
+    forward, calls = batch._forward, []
+
+    def failing_once(tokens, positions):
+        calls.append(tokens.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return forward(tokens, positions)
+
+    batch._forward = failing_once
+    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=2, batch=batch)
+    scheduler.start()
+    try:
+        events: list = []
+        done = threading.Event()
+        job = Job(PROMPTS[0], 5, emit=lambda e: (events.append(e), e.final and done.set()))
+        scheduler.submit(job)
+        assert done.wait(WAIT)
+        assert events[-1].kind == "error" and "injected" in events[-1].text and batch.size == 0
+        again = Job(PROMPTS[1], 4)
+        finished = threading.Event()
+        again.emit = lambda e: e.final and finished.set()
+        scheduler.submit(again)
+        assert finished.wait(WAIT)
+        assert again.tokens == greedy_tokens(model, again.prompt, [], 4) and scheduler.healthy
+    finally:
+        scheduler.stop()
