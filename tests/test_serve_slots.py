@@ -156,9 +156,13 @@ def test_compiled_step_gives_the_eager_servers_greedy_tokens(arch, variant):
     model = scheduler_model(arch, variant)
     lengths = [12, 3, 9, 15, 6]
     jobs = [Job(p, n) for p, n in zip(PROMPTS, lengths)]
+    from torch._dynamo.utils import counters
+
     batch = SlotBatch(model, slots=4, length=32, buckets=[2, 4])  # compiled for 2 and 4 rows, before any request
     assert batch.compile_seconds > 0
+    graphs = counters["stats"]["unique_graphs"]
     _serve(model, jobs, batch)
+    assert counters["stats"]["unique_graphs"] == graphs  # no request waited on a compile (1 to 4 rows ran)
     for job, n in zip(jobs, lengths):
         assert job.tokens == greedy_tokens(model, job.prompt, [], n)
 

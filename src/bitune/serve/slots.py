@@ -124,6 +124,9 @@ class SlotBatch:
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # (slots, 1) pending tokens
         self.columns = torch.arange(length, device=self.device)  # (length,)
         self.n = 0
+        if compile:  # one graph per bucket: past dynamo's recompile limit (8) a bucket would fall back to eager
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, len(buckets) + 1)
         self._forward = torch.compile(self._logits, dynamic=False) if compile else self._logits
         self.compile_seconds = self.warm_up() if compile else 0.0
 
