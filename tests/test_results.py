@@ -73,23 +73,33 @@ def _log(path: Path) -> tuple[str | None, list[str]]:
     return commit, [d for r in records for d in r.get("batches", [])]
 
 
-def test_study_part3_runs_come_from_the_pinned_commit_and_share_batches():
-    """Part 3's promise: every trained run from the commit in COMMIT, and per task and seed LoRA r8, LoRA r16 and
-    Bitune take the same batches step for step, lora_compute the same sequence continued, lora_repeat the first
-    200 steps' batches again."""
-    pin = (PART3 / "COMMIT").read_text().strip()
-    logs = sorted(p for p in PART3.glob("*/*-*/log.jsonl") if (p.parent / "eval.json").is_file())  # finished runs
+def _pinned_runs(study: Path, pattern: str) -> dict[tuple[str, str], dict[str, list[str]]]:
+    """Every finished run's batch digests under ``study`` (its ``log.jsonl`` files matching ``pattern``), by
+    (dataset, seed) and then by the run's folder without its seed (``"csqa/lora"``), after checking that each run
+    trained at the commit in the study's COMMIT and recorded a digest for every step; skips when none has
+    finished."""
+    pin = (study / "COMMIT").read_text().strip()
+    logs = sorted(p for p in study.glob(pattern) if (p.parent / "eval.json").is_file())
     if not logs:
-        pytest.skip("part 3 has no finished training run yet")
+        pytest.skip(f"{study.name} has no finished training run yet")
     runs: dict[tuple[str, str], dict[str, list[str]]] = {}
     for path in logs:
         commit, batches = _log(path)
         assert commit == pin, f"{path}: trained at {commit}, not the pinned {pin}"
+        settings = yaml.safe_load((path.parent / "settings.yaml").read_text())
+        assert len(batches) == settings["steps"], f"{path}: {len(batches)} batch digests for {settings['steps']} steps"
         method, seed = path.parent.name.rsplit("-", 1)
-        steps = yaml.safe_load((path.parent / "settings.yaml").read_text())["steps"]
-        assert len(batches) == steps, f"{path}: {len(batches)} batch digests for {steps} steps"
-        runs.setdefault((path.parent.parent.name, seed), {})[method] = batches
-    for (task, seed), methods in runs.items():
+        runs.setdefault((settings["dataset"], seed), {})[f"{path.parent.parent.relative_to(study)}/{method}"] = batches
+    return runs
+
+
+def test_study_part3_runs_come_from_the_pinned_commit_and_share_batches():
+    """Part 3's promise: every trained run from the commit in COMMIT, and per task and seed LoRA r8, LoRA r16 and
+    Bitune take the same batches step for step, lora_compute the same sequence continued, lora_repeat the first
+    200 steps' batches again."""
+    runs = _pinned_runs(PART3, "*/*-*/log.jsonl")
+    for (task, seed), named in runs.items():
+        methods = {name.rsplit("/", 1)[1]: batches for name, batches in named.items()}  # "csqa/lora" -> "lora"
         reference = methods.get("lora") or methods.get("bitune")
         for method, batches in methods.items():
             if method == "lora_repeat":
@@ -155,19 +165,7 @@ def test_study_part4_runs_come_from_the_pinned_commit_and_share_batches():
     """Part 4's promise, for every finished run so far: trained at the commit in COMMIT, every step's batches
     recorded, and runs of one task and seed (the lr sweep's, the grid's) drawing the same batches step for step (a
     longer run continuing the sequence)."""
-    pin = (PART4 / "COMMIT").read_text().strip()
-    logs = sorted(p for p in PART4.glob("**/*-*/log.jsonl") if (p.parent / "eval.json").is_file())
-    if not logs:
-        pytest.skip("part 4 has no finished training run yet")
-    runs: dict[tuple[str, str], dict[str, list[str]]] = {}
-    for path in logs:
-        commit, batches = _log(path)
-        assert commit == pin, f"{path}: trained at {commit}, not the pinned {pin}"
-        steps = yaml.safe_load((path.parent / "settings.yaml").read_text())["steps"]
-        assert len(batches) == steps, f"{path}: {len(batches)} batch digests for {steps} steps"
-        method, seed = path.parent.name.rsplit("-", 1)
-        task = yaml.safe_load((path.parent / "settings.yaml").read_text())["dataset"]
-        runs.setdefault((task, seed), {})[f"{path.parent.parent.name}/{method}"] = batches
+    runs = _pinned_runs(PART4, "**/*-*/log.jsonl")
     for (task, seed), methods in runs.items():
         longest = max(methods.values(), key=len)
         for method, batches in methods.items():

@@ -63,11 +63,11 @@ def prompts(tokenizer, n: int, length: int, start: int = 0) -> list[str]:
     ``length`` tokens: text ``i`` (from ``start``) is the words of a fixed paragraph in an order of its own (seeded by
     ``i``), so no two share a beginning that a server's prefix cache could reuse."""
     words = TEXT.split()
+    special = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
     out = []
     for i in range(start, start + n):
         order = random.Random(i).sample(words, len(words))
         ids = tokenizer(" ".join(order * (1 + 2 * length // len(words))), add_special_tokens=False)["input_ids"]
-        special = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
         for take in range(length - special, 0, -1):  # decoding can merge tokens: shorten until it fits
             text = tokenizer.decode(ids[:take])
             if len(tokenizer(text)["input_ids"]) == length:
