@@ -99,6 +99,9 @@ def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests
     for name in ("hf", "pretrained", "bitune"):
         assert len(out[f"{name}_s"]) == 2 and out[f"{name}_questions_per_s"] > 0
     assert out["max_abs_logprob_diff"] < 1e-4 and out["greedy_agree"]  # pretrained scores = lm-eval's hf
+    # positions each one's forwards computed: two-pass Bitune reads every prompt twice, the answers once
+    hf, pre, bit = (out["positions"][name] for name in ("hf", "pretrained", "bitune"))
+    assert 0 < pre < bit < 2 * pre and out["pretrained_position_ratio"] == round(hf / pre, 3)
     assert len(out["load_average_before"]) == 3
 
 

@@ -151,8 +151,8 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     b, heads, q, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
+    query = query * (scaling if scaling is not None else dim ** -0.5)  # scaled here: fewer entries than the scores
     scores = query.reshape(b, kv_heads, group * q, dim) @ key.transpose(-1, -2)  # (b, kv_heads, group*q, length)
-    scores = scores * (scaling if scaling is not None else dim ** -0.5)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kv_heads, group, q, -1).masked_fill(~attention_mask[:, :, None], float("-inf"))

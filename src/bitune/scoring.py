@@ -28,7 +28,7 @@ import torch
 from . import attention
 from . import cache as kv
 from .adapters import WeightSets
-from .attention import block_attention, check_implementation, mask_format
+from .attention import block_attention, check_implementation, grouped_attention, mask_format
 from .masks import per_layer_type, position_ids
 from .passes import Prefill
 
@@ -84,9 +84,38 @@ def pack(last_tokens: list[int], continuations: list[list[list[int]]], device=No
                     for x in (ids, row, branch, offset, targets, columns, owner)))
 
 
-def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.dtype, attn_implementation: str,
-                cached: dict[int | None, int]) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The (1, 1, S, R*K + S) mask of a packed answer pass on R flattened prompt caches of K keys each.
+@dataclass
+class Blocks:
+    """The packed positions laid out as R right-padded rows of L, one per prompt, for batched attention.
+
+    Attributes:
+        index: (R, L) the packed position (0..S-1) at each row slot; padding slots repeat the row's last one.
+        real: (R, L) True where a slot holds a packed position.
+        keep: (S,) which of the R*L flattened slots hold the packed positions, in packed order.
+    """
+
+    index: torch.Tensor
+    real: torch.Tensor
+    keep: torch.Tensor
+
+
+def blocks(packed: Packed, rows: int) -> Blocks:
+    """Lay the packed positions of ``rows`` prompts out as right-padded rows (prompt r's positions are contiguous)."""
+    lengths = torch.bincount(packed.row, minlength=rows)  # (R,)
+    starts = torch.cumsum(lengths, 0) - lengths
+    slot = torch.arange(int(lengths.max()), device=packed.ids.device)  # (L,)
+    real = slot[None, :] < lengths[:, None]  # (R, L)
+    index = starts[:, None] + torch.minimum(slot[None, :], lengths[:, None] - 1)
+    return Blocks(index, real, real.flatten().nonzero()[:, 0])
+
+
+def packed_mask(prompt_mask: torch.Tensor, packed: Packed, layout: Blocks, config, dtype: torch.dtype,
+                attn_implementation: str, cached: dict[int | None, int]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The (R, 1, L, K + L) mask of a packed answer pass in its block layout (:func:`blocks`): row r's slots
+    against prompt r's K cached keys and row r's own slots.
+
+    A continuation sees its prompt's real cached keys, x_P and its own earlier tokens, at the positions it would
+    have alone (sliding-window layers: within the window). A padding slot sees x_P only (its output is dropped).
 
     Args:
         prompt_mask: (R, T) mask of the cached prompt tokens (left padding), one row per packed prompt.
@@ -94,28 +123,44 @@ def packed_mask(prompt_mask: torch.Tensor, packed: Packed, config, dtype: torch.
     """
     check_implementation(attn_implementation)
     R, T = prompt_mask.shape
-    S = packed.ids.shape[0]
-    same_row = packed.row[:, None] == packed.row[None, :]  # (S, S)
-    same_branch = (packed.branch[None, :] == 0) | (packed.branch[None, :] == packed.branch[:, None])
-    earlier = torch.ones(S, S, dtype=torch.bool, device=prompt_mask.device).tril()
-    own = same_row & same_branch & earlier  # (S, S)
-    start = prompt_mask.sum(1)  # (R,) x_P's position
-    q_pos = start[packed.row] + packed.offset  # (S,)
-    mine = packed.row[:, None] == torch.arange(R, device=prompt_mask.device)[None, :]  # (S, R)
+    index, real = layout.index, layout.real
+    branch, offset = packed.branch[index], packed.offset[index]  # (R, L)
+    L = index.shape[1]
+    earlier = torch.ones(L, L, dtype=torch.bool, device=prompt_mask.device).tril()
+    same_branch = (branch[:, None, :] == 0) | (branch[:, None, :] == branch[:, :, None])  # (R, L, L)
+    own = same_branch & earlier & real[:, None, :] & real[:, :, None]
+    own[:, :, 0] |= ~real  # a padding slot sees x_P: no row without a key
+    q_pos = prompt_mask.sum(1)[:, None] + offset  # (R, L)
 
     def build(window: int | None) -> torch.Tensor:
         K = cached[window]
-        real = prompt_mask[:, T - K:].bool()  # (R, K)
-        cache_ok = mine[:, :, None] & real[None]  # (S, R, K)
-        packed_ok = own
+        cache_ok = (prompt_mask[:, None, T - K:].bool() & real[:, :, None])  # (R, L, K)
+        own_ok = own
         if window is not None:
             k_pos = position_ids(prompt_mask)[:, T - K:]  # (R, K)
-            cache_ok = cache_ok & (q_pos[:, None, None] - k_pos[None] < window)
-            packed_ok = own & (packed.offset[:, None] - packed.offset[None, :] < window)
-        ok = torch.cat([cache_ok.reshape(S, R * K), packed_ok], dim=-1)[None, None]  # (1, 1, S, R*K + S)
+            cache_ok = cache_ok & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+            own_ok = own & (offset[:, :, None] - offset[:, None, :] < window)
+        ok = torch.cat([cache_ok, own_ok], dim=-1)[:, None]  # (R, 1, L, K + L)
         return mask_format(ok, attn_implementation, dtype)
 
     return per_layer_type(build, config)
+
+
+def _target_scores(logits: torch.Tensor, packed: Packed, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) log-probabilities of the targets and (N,) whether each is its position's argmax.
+
+    Normalised once per position (a prompt's last token predicts the first token of each of its continuations),
+    in chunks of positions: no (S, V) normalised copy (a fresh allocation of hundreds of MB costs more than the
+    normalisation itself), and the argmax read while a chunk is in cache."""
+    S = logits.shape[0]
+    lse = torch.empty(S, device=logits.device)
+    best = torch.empty(S, dtype=torch.long, device=logits.device)
+    for i in range(0, S, chunk):
+        part = logits[i:i + chunk].float()
+        lse[i:i + chunk] = torch.logsumexp(part, dim=-1)
+        best[i:i + chunk] = part.argmax(-1)
+    logp = logits[packed.columns, packed.targets].float() - lse[packed.columns]
+    return logp, best[packed.columns] == packed.targets
 
 
 def score_continuations(weights: WeightSets, text_config, prefill: Prefill,
@@ -139,49 +184,47 @@ def score_continuations(weights: WeightSets, text_config, prefill: Prefill,
     device = prefill.mask.device
     rows = torch.tensor(used, device=device)
     packed = pack(prefill.last_token[rows, 0].tolist(), [continuations[r] for r in used], device)
+    layout = blocks(packed, len(used))
     prompt_mask = prefill.mask[rows]  # (R, T)
     cache = kv.flatten_rows(prefill.cache, rows)
     base = weights.base
-    attn = packed_mask(prompt_mask, packed, text_config, next(base.parameters()).dtype,
+    attn = packed_mask(prompt_mask, packed, layout, text_config, next(base.parameters()).dtype,
                        base.config._attn_implementation, kv.keys_per_window(prefill.cache))
     positions = prompt_mask.sum(1)[packed.row] + packed.offset  # (S,)
-    bounds = torch.cumsum(torch.bincount(packed.row, minlength=len(used)), 0).tolist()  # each prompt's end
-    with attention.running(base, NAME, list(zip([0] + bounds[:-1], bounds))):
+    with attention.running(base, NAME, layout):
         out = weights.call("causal", input_ids=packed.ids[None], attention_mask=attn,
-                                 position_ids=positions[None], cache=cache, use_cache=True)
-    # Normalised once per position (a prompt's last token predicts the first token of each of its continuations),
-    # then only the N target entries read: no (N, V) copy of the logits. log_softmax rather than logsumexp: 2.6x
-    # faster over a 49k vocabulary on a CPU thread (measured).
-    logits = out.logits[0]  # (S, V)
-    logp = torch.log_softmax(logits.float(), dim=-1)[packed.columns, packed.targets]  # (N,)
-    misses = (logits.argmax(-1)[packed.columns] != packed.targets).float()  # (N,)
+                           position_ids=positions[None], cache=cache, use_cache=True)
+    logp, greedy = _target_scores(out.logits[0], packed)  # (N,), (N,)
     count = int(packed.owner[-1]) + 1
     total = torch.zeros(count, device=device).index_add_(0, packed.owner, logp)
-    missed = torch.zeros(count, device=device).index_add_(0, packed.owner, misses)
+    missed = torch.zeros(count, device=device).index_add_(0, packed.owner, (~greedy).float())
     return [(float(s), m == 0) for s, m in zip(total.tolist(), missed.tolist())]
 
 
 # --------------------------------------------------------------------------------------------------- attention
 @block_attention(NAME)
-def packed_attention(module, query, key, value, attention_mask, spans: list[tuple[int, int]], inner, **kwargs):
-    """Attention of a packed answer pass, prompt by prompt: query (1, h, S, d), key/value (1, h_kv, R*K + S, d),
-    mask (1, 1, S, R*K + S), ``spans`` the (start, end) of each packed prompt; returns ((1, S, h, d), None).
+def packed_attention(module, query, key, value, attention_mask, layout: Blocks, inner, **kwargs):
+    """Attention of a packed answer pass, all prompts in one batched call: query (1, h, S, d), key/value
+    (1, h_kv, R*K + S, d) (the R flattened prompt caches, then the packed positions), mask (R, 1, L, K + L) in the
+    block layout ``layout`` (:func:`blocks`); returns ((1, S, h, d), None).
 
-    The dense mask lets the positions of packed prompt r see only prompt r's K cached keys and its own positions,
-    so each prompt is computed alone, with the model's own attention implementation ``inner``: the dense result,
-    at (S_r, K + S_r) scores per prompt instead of (S, R*K + S).
+    The packed positions are gathered into R rows of L slots, each row's keys are its prompt's K cached keys and
+    its own slots, the model's own attention implementation ``inner`` computes the (R, L, K + L) block, and the
+    real slots are read back in packed order: (L, K + L) scores per prompt instead of (S, R*K + S), in one call.
     """
-    R, S = len(spans), query.shape[2]
+    R, S = layout.index.shape[0], query.shape[2]
     K = (key.shape[2] - S) // R  # keys per prompt in this layer (sliding-window layers keep fewer)
-    outs = []
-    for r, (a, b) in enumerate(spans):
-        keys = torch.cat([key[:, :, r * K:(r + 1) * K], key[:, :, R * K + a:R * K + b]], dim=2)
-        values = torch.cat([value[:, :, r * K:(r + 1) * K], value[:, :, R * K + a:R * K + b]], dim=2)
-        mask = torch.cat([attention_mask[:, :, a:b, r * K:(r + 1) * K], attention_mask[:, :, a:b, R * K + a:R * K + b]],
-                         dim=-1)
-        out, _ = inner(module, query[:, :, a:b], keys, values, mask, **kwargs)  # (1, S_r, h, d)
-        outs.append(out)
-    return torch.cat(outs, dim=1), None
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # (1, h, R*K + S, d) -> (R, h, K + L, d)
+        cached = x[0, :, :R * K].unflatten(1, (R, K)).transpose(0, 1)  # (R, h, K, d), a view
+        own = x[0, :, R * K:][:, layout.index].transpose(0, 1)  # (R, h, L, d)
+        return torch.cat([cached, own], dim=2)  # contiguous: one copy
+
+    q = query[0][:, layout.index].transpose(0, 1)  # (R, h, L, d)
+    if attention_mask.dtype == torch.bool:  # sdpa's boolean mask: each key/value head read once by its group
+        inner = grouped_attention  # (sdpa with a mask repeats them per query head first: 3x the copies here)
+    out, _ = inner(module, q, rows(key), rows(value), attention_mask, **kwargs)  # (R, L, h, d)
+    return out.flatten(0, 1)[layout.keep][None], None
 
 
-__all__ = ["Packed", "pack", "packed_mask", "score_continuations", "packed_attention"]
+__all__ = ["Blocks", "Packed", "blocks", "pack", "packed_mask", "score_continuations", "packed_attention"]

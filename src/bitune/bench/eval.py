@@ -4,9 +4,12 @@ All score the same lm-eval requests of one task (every choice of the first ``--l
 base weights, tokenizer and batch size: lm-eval's ``hf`` (context and choice concatenated per row), ``bitune``
 with the ``pretrained`` variant (one prompt pass per question, every choice scored from its cache) and ``bitune``
 with a two-pass Bitune model (a ``--checkpoint``, or the base model wrapped as Bitune with fresh adapters: the
-same compute). Rounds are interleaved, the order reversed every round, and the machine's load average is recorded
-with the result, so a busy machine shows. Reports questions per second for each, the ratios to ``hf``, and the
-largest score difference of ``pretrained`` to ``hf`` (a parity check on a real model).
+same compute), its causal weights merged as ``bitune eval`` merges them. Rounds are interleaved, the order
+reversed every round, and the machine's load average is recorded with the result, so a busy machine shows.
+Reports questions per second for each, the ratios to ``hf``, the largest score difference of ``pretrained`` to
+``hf`` (a parity check on a real model), and the positions each one's forwards computed (padding included):
+``hf``'s over each one's is the speed ratio that computing fewer positions alone would give at equal cost per
+position (a prompt position of ``bitune`` computes no logits, so a little more is possible).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
         two_pass, _ = load_bitune(checkpoint=checkpoint, device=device)
     else:
         base, _ = load_bitune(model=model_name, device=device)
-        two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval()
+        two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval().merge()
     t = make_task(task)
     t.build_all_requests(limit=limit)
     requests = [inst for inst in t.instances]
@@ -48,6 +51,18 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
            "checkpoint": checkpoint, "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     for lm in lms.values():
         lm.loglikelihood(requests[: min(len(requests), batch_size)], disable_tqdm=True)  # warm-up
+    decoders = {"hf": model.weights.base.get_decoder(), "pretrained": model.weights.base.get_decoder(),
+                "bitune": two_pass.weights.base.get_decoder()}
+    positions = dict.fromkeys(lms, 0)
+    counting = [None]
+
+    def count(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if counting[0] is not None and decoders[counting[0]] is module:
+            positions[counting[0]] += (ids if ids is not None else embeds[..., 0]).numel()
+
+    hooks = [d.register_forward_pre_hook(count, with_kwargs=True) for d in set(decoders.values())]
     times: dict[str, list[float]] = {name: [] for name in lms}
     scores = {}
     clock = torch.device(device)
@@ -55,13 +70,20 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
         for name in interleaved(lms, r):
             def score(name=name):
                 scores[name] = lms[name].loglikelihood(requests, disable_tqdm=True)
+            counting[0] = name if r == 0 else None
             times[name].append(timed(score, clock))
+    counting[0] = None
+    for hook in hooks:
+        hook.remove()
     out["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     for name, ts in times.items():
         out[f"{name}_s"] = [round(t, 3) for t in ts]
         out[f"{name}_questions_per_s"] = round(questions / min(ts), 3)
     for name in ("pretrained", "bitune"):
         out[f"{name}_over_hf"] = round(min(times["hf"]) / min(times[name]), 3)
+    out["positions"] = positions
+    for name in ("pretrained", "bitune"):
+        out[f"{name}_position_ratio"] = round(positions["hf"] / positions[name], 3)
     out["max_abs_logprob_diff"] = max(abs(a[0] - b[0]) for a, b in zip(scores["pretrained"], scores["hf"]))
     out["greedy_agree"] = all(a[1] == b[1] for a, b in zip(scores["pretrained"], scores["hf"]))
     return out
