@@ -102,7 +102,11 @@ def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests
     # positions each one's forwards computed: two-pass Bitune reads every prompt twice, the answers once
     hf, pre, bit = (out["positions"][name] for name in ("hf", "pretrained", "bitune"))
     assert 0 < pre < bit < 2 * pre and out["pretrained_position_ratio"] == round(hf / pre, 3)
-    assert len(out["load_average_before"]) == 3
+    assert len(out["load_average_before"]) == 3 and out["bitune_merge"] == "causal"
+    both = tmp_path / "eval-both.json"
+    assert main(["bench", "eval", "--model", str(tmp_path / "base"), "--task", "fake", "--limit", "3",
+                 "--batch-size", "2", "--rounds", "1", "--merge-bidir", "--output", str(both)]) == 0
+    assert json.loads(both.read_text())["bitune_merge"] == "both"
 
 
 def test_bench_eval_refuses_impossible_counts_before_loading_anything(capsys):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, MistralConfig
 from bitune import BituneConfig, BituneModel
 from bitune.outputs import token_logprobs
 from bitune.passes import Prefill
-from bitune.scoring import pack, score_continuations
+from bitune.scoring import blocks, pack, score_continuations
 from helpers.models import COMMON, VOCAB, perturb_adapters, tiny_model
 
 
@@ -134,3 +134,16 @@ def test_pack_layout():
     assert packed.owner.tolist() == [0, 0, 0, 1, 2, 2, 3, 3]
     with pytest.raises(ValueError, match="empty continuation"):
         pack([9], [[[]]])
+
+
+def test_blocks_group_prompts_of_similar_length_and_read_back_in_packed_order():
+    """Rows longest first, a new group where a row is under half its group's longest; every packed position is
+    read from exactly one real slot, and ``back`` puts them in packed order."""
+    spans = [3, 10, 1, 6, 5, 2]  # positions per packed prompt
+    packed = pack(list(range(len(spans))), [[list(range(n))] for n in spans])  # one continuation of n tokens each
+    layout = blocks(packed, len(spans))
+    assert layout.order.tolist() == [1, 3, 4, 0, 5, 2]  # lengths 10, 6, 5, 3, 2, 1
+    assert layout.groups == [(0, 3, 10), (3, 5, 3), (5, 6, 1)]
+    read = torch.cat([layout.index[a:b, :n][layout.real[a:b, :n]] for a, b, n in layout.groups])
+    assert read[layout.back].tolist() == list(range(packed.ids.shape[0]))
+    assert (packed.row[layout.index] == layout.order[:, None]).all()  # a row's slots are its prompt's positions

@@ -30,15 +30,19 @@ from .helpers import interleaved, timed
 
 
 def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, batch_size: int = 8,
-                       device: str = "cpu", rounds: int = 2, checkpoint: str | None = None) -> dict:
+                       device: str = "cpu", rounds: int = 2, checkpoint: str | None = None,
+                       merge: bool | str = True) -> dict:
     """Time ``loglikelihood`` over one task's requests for ``hf``, ``pretrained`` and ``bitune``; the fastest of
-    ``rounds`` interleaved rounds counts."""
+    ``rounds`` interleaved rounds counts. ``merge`` is the two-pass model's (``load_bitune``'s: True merges the
+    causal weights, ``"both"`` the bidir ones too, into a copy)."""
     model, tokenizer = load_bitune(model=model_name, device=device)
     if checkpoint:
-        two_pass, _ = load_bitune(checkpoint=checkpoint, device=device)
+        two_pass, _ = load_bitune(checkpoint=checkpoint, device=device, merge=merge)
     else:
         base, _ = load_bitune(model=model_name, device=device)
-        two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval().merge()
+        two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval()
+        if merge:
+            two_pass.merge(bidir_copy=merge == "both")
     t = make_task(task)
     t.build_all_requests(limit=limit)
     requests = [inst for inst in t.instances]
@@ -48,7 +52,8 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
            "bitune": BituneLM(model=two_pass, tokenizer=tokenizer, batch_size=batch_size)}
     out = {"model": model_name, "task": task, "questions": questions, "requests": len(requests),
            "batch_size": batch_size, "device": device, "threads": torch.get_num_threads(), "rounds": rounds,
-           "checkpoint": checkpoint, "load_average_before": [round(x, 2) for x in os.getloadavg()]}
+           "checkpoint": checkpoint, "bitune_merge": {True: "causal", "both": "both", False: "none"}[merge],
+           "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     for lm in lms.values():
         lm.loglikelihood(requests[: min(len(requests), batch_size)], disable_tqdm=True)  # warm-up
     decoders = {"hf": model.weights.base.get_decoder(), "pretrained": model.weights.base.get_decoder(),
@@ -91,10 +96,11 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
 
 def bench_eval(args) -> dict:
     """``bitune bench eval``: check the counts, time, print the record as JSON; return it."""
+    from ..commands.options import merge_mode
     for flag in ("limit", "batch_size", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"bench eval needs --{flag.replace('_', '-')} >= 1")
     result = time_loglikelihood(args.model, args.task, args.limit, args.batch_size, args.device, args.rounds,
-                                args.checkpoint)
+                                args.checkpoint, merge_mode(args))
     print(json.dumps(result, indent=2))
     return result

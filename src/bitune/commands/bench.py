@@ -14,6 +14,7 @@ from pathlib import Path
 from ..config import METHODS
 from ..files import check_output_file, check_replaces_own
 from ..hub import DEFAULT_MODEL
+from .options import add_merge_option
 
 HELP = "benchmark training, generation and serving speed/memory against LoRA"
 OUTPUT_HELP = ("also write the results as JSON here (an existing file is replaced only when it holds an earlier "
@@ -118,6 +119,7 @@ def configure(parser) -> None:
     ev.add_argument("--rounds", type=int, default=2, help="interleaved timed rounds; the fastest counts")
     ev.add_argument("--checkpoint", metavar="DIR", help="the two-pass Bitune model (default: --model with fresh "
                     "Bitune adapters, the same compute as trained ones)")
+    add_merge_option(ev)  # the two-pass model's, as 'bitune eval' takes them
     ev.add_argument("--output", default=None, help=OUTPUT_HELP)
 
 
