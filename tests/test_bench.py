@@ -188,3 +188,27 @@ def test_bench_prefill_times_both_reading_paths_and_names_autos_choice(tmp_path,
         assert r["base_s"] > 0 and r["batched_over_sequential"] == pytest.approx(r["batched_s"] / r["sequential_s"])
         assert r["auto_over_base"] == pytest.approx(r[f"{r['auto']}_s"] / r["base_s"])
     assert main(["bench", "prefill", "--lengths", "8,2"]) == 2
+
+
+def test_token_floors_count_each_context_once_and_every_answer_position():
+    """Two questions: contexts of 5 and 3 tokens, choices of 2+1 and 3 tokens. hf reads context + choice - 1 per
+    request: (5+2-1) + (5+1-1) + (3+3-1) = 16; read once, the contexts cost 4 + 2 tokens, the answer pass x_P once
+    per context and each choice but its last token: (1 + 1 + 0) + (1 + 2) = 5."""
+    from types import SimpleNamespace
+
+    from bitune.bench.eval import token_floors
+
+    class Encoder:  # the two BituneLM methods token_floors uses, on space-separated "tokens"
+        @staticmethod
+        def _encode_pair(ctx, cont):
+            return ctx.split(), cont.split()
+
+        @staticmethod
+        def _fit(ctx, cont):
+            return ctx, cont
+
+    requests = [SimpleNamespace(args=args) for args in
+                (("a b c d e", "x y"), ("a b c d e", "z"), ("f g h", "u v w"))]
+    floors = token_floors(Encoder(), requests)
+    assert (floors["hf_tokens"], floors["prompt_tokens"], floors["answer_tokens"]) == (16, 6, 5)
+    assert floors["pretrained_token_floor"] == round(16 / 11, 3) and floors["bitune_token_floor"] == round(16 / 17, 3)

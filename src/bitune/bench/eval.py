@@ -9,7 +9,8 @@ reversed every round, and the machine's load average is recorded with the result
 Reports questions per second for each, the ratios to ``hf``, the largest score difference of ``pretrained`` to
 ``hf`` (a parity check on a real model), and the positions each one's forwards computed (padding included):
 ``hf``'s over each one's is the speed ratio that computing fewer positions alone would give at equal cost per
-position (a prompt position of ``bitune`` computes no logits, so a little more is possible).
+position (a prompt position of ``bitune`` computes no logits, so a little more is possible). The token floors
+count real tokens instead (:func:`token_floors`).
 """
 
 from __future__ import annotations
@@ -87,11 +88,31 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
     for name in ("pretrained", "bitune"):
         out[f"{name}_over_hf"] = round(min(times["hf"]) / min(times[name]), 3)
     out["positions"] = positions
+    out.update(token_floors(lms["pretrained"], requests))
     for name in ("pretrained", "bitune"):
         out[f"{name}_position_ratio"] = round(positions["hf"] / positions[name], 3)
+        out[f"{name}_of_token_floor"] = round(out[f"{name}_over_hf"] / out[f"{name}_token_floor"], 3)
     out["max_abs_logprob_diff"] = max(abs(a[0] - b[0]) for a, b in zip(scores["pretrained"], scores["hf"]))
     out["greedy_agree"] = all(a[1] == b[1] for a, b in zip(scores["pretrained"], scores["hf"]))
     return out
+
+
+def token_floors(lm: BituneLM, requests) -> dict:
+    """Real tokens (no padding) a forward must compute for ``requests``: ``hf`` reads context + choice - 1 per
+    request; reading each context once reads it without its last token, and the answer pass computes that token
+    once per context and every choice token but the last (two-pass Bitune reads each context twice). Their ratios
+    are the speed ratios at equal cost per token."""
+    contexts: dict[tuple[int, ...], list[int]] = {}
+    hf = 0
+    for inst in requests:
+        ctx, cont = lm._fit(*lm._encode_pair(*inst.args))
+        hf += len(ctx) + len(cont) - 1
+        contexts.setdefault(tuple(ctx), []).append(len(cont))
+    prompt = sum(len(ctx) - 1 for ctx in contexts)
+    answer = sum(1 + sum(n - 1 for n in conts) for conts in contexts.values())
+    return {"hf_tokens": hf, "prompt_tokens": prompt, "answer_tokens": answer,
+            "pretrained_token_floor": round(hf / (prompt + answer), 3),
+            "bitune_token_floor": round(hf / (2 * prompt + answer), 3)}
 
 
 def bench_eval(args) -> dict:
