@@ -110,3 +110,12 @@ def test_the_cost_model_bound_is_the_base_request_over_it_plus_bitunes_extra_pro
     assert cost_model_bound({"latency_p50_s": 5.2, "ttft_p50_s": 1.5}, base) == pytest.approx(0.8)
     # first tokens no later than the base model's: nothing extra to pay, the bound is 1
     assert cost_model_bound({"latency_p50_s": 4.1, "ttft_p50_s": 0.4}, base) == 1.0
+
+
+@pytest.mark.parametrize("merge, flags", [(True, []), (False, ["--no-merge"]), ("both", ["--merge-bidir"])])
+def test_our_servers_are_started_with_the_merge_and_compile_flags_their_rows_name(merge, flags):
+    args = types.SimpleNamespace(clients=8, prompt_tokens=64, new_tokens=64, threads=1, dtype="float32", device=None)
+    command = ours("x", ["--model", "m"], args, 16, merge=merge, compile=True).command
+    assert [f for f in command if f in ("--no-merge", "--merge-bidir")] == flags
+    at = command.index("--compile-buckets")
+    assert command[at + 1] == "8" and command[command.index("--max-model-len") + 1] == str(64 + 64 + 8)

@@ -263,14 +263,14 @@ def run_servers(groups: list[list[Server]], fresh: Prompts, args) -> dict[str, l
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def ours(name: str, source: list[str], args, batch: int, merge: bool = True, compile: bool = False) -> Server:
+def ours(name: str, source: list[str], args, batch: int, merge: bool | str = True, compile: bool = False) -> Server:
     # compiled: for the load's batch (every client at once) and --max-batch-size, positions for one request
     compiled = ["--compile", "--compile-buckets", str(min(args.clients, batch)), "--max-model-len",
                 str(args.prompt_tokens + args.new_tokens + 8)] if compile else []
     command = [sys.executable, "-m", "bitune.cli", "serve", *source, "--served-model-name", "m", "--threads",
                str(args.threads), "--dtype", args.dtype, "--max-batch-size", str(batch), "--max-queue", "4096",
                "--log-level", "warning", *(["--device", args.device] if args.device else []),
-               *([] if merge else ["--no-merge"]), *compiled]
+               *{True: [], False: ["--no-merge"], "both": ["--merge-bidir"]}[merge], *compiled]
     return Server(name, command, "m", lambda n: {"max_tokens": n, "temperature": 0, "ignore_eos": True,
                                                 "stream_options": {"include_usage": True}})
 
@@ -355,6 +355,7 @@ def measure(args) -> dict:
                    *([] if args.no_transformers else [transformers_server(folder, args)])]
         if args.compile:
             servers += [ours("bitune_compiled", bitune, args, batch, compile=True),
+                        ours("bitune_compiled_bidir", bitune, args, batch, merge="both", compile=True),
                         ours("pretrained_compiled", ["--model", args.model], args, batch, compile=True)]
         if args.only:
             wanted = args.only.split(",")
@@ -387,6 +388,7 @@ def measure(args) -> dict:
               "lora_unmerged_vs_pretrained": ratio("lora_unmerged", "pretrained"),
               "pretrained_compiled_vs_transformers": ratio("pretrained_compiled", "transformers_serve"),
               "bitune_compiled_vs_transformers": ratio("bitune_compiled", "transformers_serve"),
+              "bitune_compiled_bidir_vs_transformers": ratio("bitune_compiled_bidir", "transformers_serve"),
               "compiled_vs_eager": ratio("pretrained_compiled", "pretrained"),
               "bitune_compiled_vs_eager": ratio("bitune_compiled", "bitune"),
               "pretrained_ttft_vs_transformers": ratio("pretrained", "transformers_serve", "ttft_p50_s"),
@@ -427,6 +429,8 @@ RATIO_NAMES = {
     "bitune_vs_pretrained_cpu": "Bitune / base model, by CPU time per generated token",
     "pretrained_compiled_vs_transformers": "base model --compile / transformers serve",
     "bitune_compiled_vs_transformers": "Bitune --compile / transformers serve (serving the base model)",
+    "bitune_compiled_bidir_vs_transformers": "Bitune --compile --merge-bidir / transformers serve (serving the base "
+                                             "model)",
     "compiled_vs_eager": "base model --compile / base model",
     "bitune_compiled_vs_eager": "Bitune --compile / Bitune",
     "pretrained_ttft_vs_transformers": "base model / transformers serve, time to first token (p50)",
@@ -434,8 +438,8 @@ RATIO_NAMES = {
 """How :func:`render` names each ratio of the record."""
 _TOKENS_PER_S = {"batching", "bitune_vs_pretrained", "bitune_vs_pretrained_bound", "bitune_vs_lora",
                  "pretrained_vs_transformers", "bitune_unmerged_vs_pretrained", "lora_unmerged_vs_pretrained",
-                 "pretrained_compiled_vs_transformers", "bitune_compiled_vs_transformers", "compiled_vs_eager",
-                 "bitune_compiled_vs_eager"}
+                 "pretrained_compiled_vs_transformers", "bitune_compiled_vs_transformers",
+                 "bitune_compiled_bidir_vs_transformers", "compiled_vs_eager", "bitune_compiled_vs_eager"}
 """The ratios of generated tokens/s."""
 
 
