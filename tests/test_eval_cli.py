@@ -143,8 +143,11 @@ def test_sweep_trains_evaluates_and_reports(checkpoint, tmp_path, monkeypatch):
     for run in ("pretrained", "bitune-1", "bitune-2"):
         assert (out / run / "eval.json").is_file()
     assert json.loads((out / "bitune-2" / "eval.json").read_text())["config"]["train_seed"] == 2
-    md = (out / "report.md").read_text()
-    assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["pretrained", "bitune"]
+    md = (out / "report.md").read_text()  # bitune report's: the table over seeds, then intervals and pairs
+    table = md[md.index("| method |"):].split("\n\n")[0].splitlines()[2:]
+    assert [line.split("|")[1].strip() for line in table] == ["pretrained", "bitune"]
+    assert "## Paired differences" in md and "| bitune | pretrained | 2 |" in md  # bitune vs pretrained, 2 seeds
+    assert (out / "report.csv").is_file()
     assert main(args) == 0  # everything done: nothing is retrained or re-evaluated
 
 

@@ -8,7 +8,8 @@ evaluated once (it has no seed: nothing is trained). Runs go seed by seed (every
 (the trainer's ``final/``, ``log.jsonl``, ``settings.yaml`` plus ``eval.json``); runs whose ``eval.json``
 exists are skipped and a finished ``final/`` is not retrained, so an interrupted sweep resumes by running the same
 command again, also from a copy of the small files alone (``eval.json`` is what marks a run done). The report
-goes to ``OUTPUT_DIR/report.{md,csv}``.
+over the sweep's runs is ``bitune report``'s (accuracies with intervals, paired differences, trivial baselines,
+wall time), written to ``OUTPUT_DIR/report.{md,csv,png}``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
-from ..eval.report import aggregate, load_records, print_report, write_report
+from ..eval.report import load_records
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
 from ..records import RESULT_FILE, record_splits
@@ -193,8 +194,8 @@ def run(args: argparse.Namespace) -> int:
             train_run(settings, resume=resume, overwrite=restart)
         evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                      device=args.device, label=method.label, output=result, split=args.split)
-    report = aggregate(load_records(results), args.metric)
-    print_report(report, f"{args.metric}, mean ± std over seeds {seeds}, %")
-    md, cs = write_report(report, out)
-    print(f"bitune sweep: wrote {md} and {cs}")
-    return 0
+    from . import report  # the same report as 'bitune report' over these runs (not a second, shorter one)
+
+    parser = argparse.ArgumentParser(prog="bitune report")
+    report.configure(parser)
+    return report.run(parser.parse_args([*map(str, results), "--output", str(out), "--metric", args.metric]))
