@@ -149,7 +149,7 @@ sweep_each() {
   shift
   local method failed=0
   for method in "$@"; do
-    "$BITUNE" sweep "${common[@]}" --methods "$method" &
+    lane "${common[@]}" --methods "$method" &
     pids+=("$!")
     if [ "${#pids[@]}" -ge "${LANES:-1}" ]; then
       wait "${pids[0]}" || failed=1
@@ -158,6 +158,18 @@ sweep_each() {
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
   return "$failed"
+}
+
+# One sweep, started again up to twice if it fails (a lane killed, e.g. by the kernel when memory runs short, resumes
+# from its run's last checkpoint; a real error fails the same way three times and fails the lane).
+lane() {
+  local try
+  for try in 1 2 3; do
+    "$BITUNE" sweep "$@" && return 0
+    echo "study: sweep $* failed (try $try of 3)" >&2
+    sleep 10
+  done
+  return 1
 }
 
 # The study's code: a git worktree at the commit in $1/COMMIT, imported ahead of this checkout's (so every method
