@@ -11,12 +11,15 @@ on a one-row cache holding the prompts' caches one after another (:func:`bitune.
 lets each continuation see its own prompt's cached keys, its x_P and its own earlier tokens only, at the
 positions it would have alone. The logits are those of separate answer passes (up to float rounding: tests hold
 it to :meth:`~bitune.model.BituneModel.answer_logits` and to lm-eval's ``hf`` model), and every computed
-position is a real one. Attention is computed per packed prompt (:func:`packed_attention`: its positions against
-its own cached keys and itself), not over the dense (S, R*T + S) mask; a caller still bounds S and R*T, which the
-mask and the logits grow with (``BituneLM.ANSWER_TOKENS`` / ``ANSWER_KEYS``).
+position is a real one. For attention the packed positions are laid out as one row per prompt over its own
+cached keys (:func:`blocks`; rows of similar length grouped, each group padded to its own longest), so
+:func:`packed_attention` computes each group in one batched call (eager models: their own attention function;
+sdpa: :func:`bitune.attention.grouped_attention`, which reads each key/value head once), with an (R, 1, L, K + L)
+mask (:func:`packed_mask`), never the dense (S, R*K + S) one; a caller still bounds S and R*K,
+which the logits and the cache grow with (``BituneLM.ANSWER_TOKENS`` / ``ANSWER_KEYS``).
 
-This module alone owns the packed pass's mask and its block attention function (its layout: the prompts'
-spans; registration and switching are :mod:`bitune.attention`'s).
+This module alone owns the packed pass's mask and its block attention function (its layout: :class:`Blocks`;
+registration and switching are :mod:`bitune.attention`'s).
 """
 
 from __future__ import annotations
@@ -233,7 +236,8 @@ def packed_attention(module, query, key, value, attention_mask, layout: Blocks, 
     ((1, S, h, d), None).
 
     A group's packed positions are gathered into rows of L_g slots, each row's keys are its prompt's K cached keys
-    and its own slots, the model's own attention implementation ``inner`` computes the (rows, L_g, K + L_g) block,
+    and its own slots, the model's own attention function ``inner`` (with sdpa's boolean mask
+    :func:`~bitune.attention.grouped_attention`) computes the (rows, L_g, K + L_g) block,
     and the real slots are read back in packed order: (L_g, K + L_g) scores per prompt instead of (S, R*K + S).
     """
     R, S = layout.index.shape[0], query.shape[2]
