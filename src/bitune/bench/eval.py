@@ -57,18 +57,16 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
            "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     for lm in lms.values():
         lm.loglikelihood(requests[: min(len(requests), batch_size)], disable_tqdm=True)  # warm-up
-    decoders = {"hf": model.weights.base.get_decoder(), "pretrained": model.weights.base.get_decoder(),
-                "bitune": two_pass.weights.base.get_decoder()}
-    positions = dict.fromkeys(lms, 0)
+    positions = dict.fromkeys(lms, 0)  # positions the forwards of each one's first round computed
     counting = [None]
 
     def count(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        if counting[0] is not None and decoders[counting[0]] is module:
-            positions[counting[0]] += (ids if ids is not None else embeds[..., 0]).numel()
+        if counting[0] is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            positions[counting[0]] += (ids if ids is not None else kwargs["inputs_embeds"][..., 0]).numel()
 
-    hooks = [d.register_forward_pre_hook(count, with_kwargs=True) for d in set(decoders.values())]
+    hooks = [m.weights.base.get_decoder().register_forward_pre_hook(count, with_kwargs=True)
+             for m in (model, two_pass)]  # hf and pretrained share the first
     times: dict[str, list[float]] = {name: [] for name in lms}
     scores = {}
     clock = torch.device(device)
