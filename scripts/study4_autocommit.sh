@@ -14,9 +14,16 @@ while true; do
     files=$(ls "$d"/eval.json "$d"/log.jsonl "$d"/settings.yaml 2>/dev/null)
     if [ -n "$(git status --porcelain -- $files)" ]; then
       folder=$(dirname "$d")
-      OMP_NUM_THREADS=1 "$BITUNE" report "$folder" --output "$folder" > /dev/null 2>&1
-      extra=$(ls "$folder"/report.md "$folder"/report.csv "$folder"/report.png "$folder"/lr "$folder"/*.yaml \
-        "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml 2>/dev/null)
+      case "$folder" in
+        "$OUT"/tuning/*)  # a tuning folder's own report
+          OMP_NUM_THREADS=1 "$BITUNE" report "$folder" --output "$folder" > /dev/null 2>&1 ;;
+        *)  # the study's report (report.yaml's runs: the reported split's folders), embedded in its README
+          folder=$OUT
+          OMP_NUM_THREADS=1 "$BITUNE" report "$OUT" --output "$OUT" --embed "$OUT/README.md" > /dev/null 2>&1 ;;
+      esac
+      extra=$(ls "$folder"/report.md "$folder"/report.csv "$folder"/report.png "$folder"/README.md "$folder"/lr \
+        "$folder"/*.yaml "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml 2>/dev/null | git check-ignore -nv --stdin \
+        | awk -F'\t' '$1 == "::" {print $2}')  # not the ignored ones (a sweep's per-task report)
       for i in 1 2 3 4 5; do
         git add -- $files $extra && git commit -q -m "study part 4: ${d#results/} finished (eval.json, log, settings; report regenerated)" --only -- $files $extra && break
         sleep 5

@@ -192,3 +192,31 @@ def test_study_part4_tuning_picks_reproduce_from_the_committed_runs(folder):
         done = subprocess.run([sys.executable, str(script), str(folder), *labels], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
         assert "lora_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
+
+
+def test_study_part4_reported_runs_use_the_tuned_picks():
+    """The study's report reads the reported split's folders only (report.yaml's ``runs``; the generic tests above
+    check it reproduces); every run there was scored on the task's reported split (never the tuning one), every
+    trained run at the learning rate picked on the tuning split, ``bitune_warm`` from the start share picked there
+    and ``bitune`` from the paper's."""
+    from bitune import BituneConfig
+    from bitune.data.datasets import DATASETS
+
+    runs = yaml.safe_load((PART4 / "report.yaml").read_text())["runs"]
+    assert "tuning" not in runs
+    evals = sorted(path for task in runs for path in (PART4 / task).glob("*/eval.json"))
+    if not evals:
+        pytest.skip("no reported-split run has finished yet")
+    for path in evals:
+        task = path.parent.parent.name
+        assert json.loads(path.read_text())["config"]["splits"] == {task: DATASETS[task].eval_split}
+        if path.parent.name == "pretrained":
+            continue
+        tuning = PART4 / "tuning" / task
+        settings = yaml.safe_load((path.parent / "settings.yaml").read_text())
+        lr = float((tuning / "lr").read_text())
+        assert settings["lr"] == lr, f"{path.parent.name} trained at lr {settings['lr']}, not the tuned {lr}"
+        if settings["bitune"]["variant"] == "bitune":
+            warm = yaml.safe_load((tuning / "bitune_warm.yaml").read_text())["bitune"]["init_share"]
+            share = warm if path.parent.name.startswith("bitune_warm-") else BituneConfig().init_share
+            assert settings["bitune"]["init_share"] == share, f"{path.parent.name} started at another share"

@@ -15,7 +15,7 @@ from ...errors import BituneError
 from ...files import check_named
 from ...records import record_splits
 from .. import RESULT_FILE, SCHEMA
-from .settings import ReportSettings
+from .settings import SETTINGS_FILE, ReportSettings, read_settings
 
 TASK_ORDER = ("piqa", "arc_challenge", "arc_easy", "csqa", "siqa", "mmlu", "gsm8k")
 TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "csqa": "CSQA", "siqa": "SIQA",
@@ -26,13 +26,16 @@ def task_title(task: str) -> str:
     """The name a report gives a task (``ARC-C`` for ``arc_challenge``; an unknown task by its own name)."""
     return TASK_TITLES.get(task, task)
 def find_results(paths: list[str]) -> list[Path]:
-    """Eval JSON files: given files, plus every ``eval.json`` below given folders (sorted)."""
+    """Eval JSON files: given files, plus every ``eval.json`` below given folders (sorted). A folder holding a
+    ``report.yaml`` whose ``runs`` names its report's folders is searched in those only."""
     files: list[Path] = []
     for p in (Path(check_named(p, "RUN")) for p in paths):  # "" would search the current folder
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            files += sorted(p.rglob(RESULT_FILE))
+            runs = read_settings(p / SETTINGS_FILE).runs if (p / SETTINGS_FILE).is_file() else None
+            for folder in [p] if runs is None else [p / run for run in runs if (p / run).is_dir()]:
+                files += sorted(folder.rglob(RESULT_FILE))
         else:
             raise BituneError(f"{p} is neither an eval JSON nor a folder")
     if not files:

@@ -8,6 +8,7 @@ Example ``report.yaml``::
 
     methods: [pretrained, lora, lora16, bitune]   # rows in this order, then any other method by name
     fair_baselines: [lora16]                      # bitune is also paired with these (besides --baselines)
+    runs: [arc_easy, csqa]                        # the study's report reads these folders only (not tuning/)
 """
 
 from __future__ import annotations
@@ -33,18 +34,26 @@ class ReportSettings:
     fair_baselines: tuple[str, ...] | None = None
     """Methods ``bitune`` is paired with besides ``--baselines``: e.g. those matching its trainable parameters or
     its training compute. None (the default): every other method that is not one of the paper's ablations."""
+    runs: tuple[str, ...] | None = None
+    """Folders, relative to the ``report.yaml``, whose runs make the study's report when ``bitune report`` is
+    given the study's folder (e.g. the reported split's, leaving out a ``tuning/`` folder of runs on another
+    split); a folder not made yet is skipped. None (the default): every run below the study's folder."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "fair_baselines":
+            if value is None and f.name in ("fair_baselines", "runs"):
                 continue
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
-                raise BituneError(f"report setting {f.name}: a list of method names, not {value!r}")
+                raise BituneError(f"report setting {f.name}: a list of {'folder' if f.name == 'runs' else 'method'} names, "
+                                  f"not {value!r}")
             twice = next((v for v in value if list(value).count(v) > 1), None)
             if twice is not None:
                 raise BituneError(f"report setting {f.name}: {twice!r} is named twice")
             object.__setattr__(self, f.name, tuple(value))
+        for run in self.runs or ():
+            if Path(run).is_absolute() or ".." in Path(run).parts:
+                raise BituneError(f"report setting runs: {run!r} is not a folder inside the study's folder")
 
     def method_key(self, label: str) -> tuple[int, str]:
         """Sort key: the methods named in :attr:`methods` first, in that order, then the others by name."""
