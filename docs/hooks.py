@@ -19,7 +19,7 @@ from pathlib import Path
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
-STUDIES = ("smollm2-csqa-piqa-siqa", "smollm2-arc-csqa", "gemma3-csqa")
+STUDIES = ("qwen2.5-arc-easy-csqa", "smollm2-csqa-piqa-siqa", "smollm2-arc-csqa", "gemma3-csqa")
 STUDY_FILES = ("report.png", "report.csv")
 """A study's files served as they are, beside its report page."""
 BENCH = "results/bench-cpu"
@@ -58,7 +58,7 @@ def on_files(files: Files, config) -> Files:
                 files.append(_static(f"results/{study}/{name}", config))
         if (folder / "report.md").exists():
             files.append(File.generated(config, f"results/{study}/report.md", content=report_page(study)))
-        for figure in sorted(folder.glob("*/training.png")):  # scripts/study_figures.py, one per task
+        for figure in sorted(folder.rglob("training.png")):  # scripts/study_figures.py, one per task folder
             files.append(_static(figure.relative_to(ROOT).as_posix(), config))
     for path in sorted((ROOT / BENCH).glob("*.json")):
         files.append(_static(f"{BENCH}/{path.name}", config))
