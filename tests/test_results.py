@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bitune.eval.report import SETTINGS_FILE, build_markdown, find_results, find_settings, load_records
+from bitune.eval.report import (
+    SETTINGS_FILE,
+    build_markdown,
+    find_results,
+    find_settings,
+    load_records,
+    read_settings,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 STUDIES = sorted(p.parent for p in RESULTS.glob("*/report.md"))
@@ -202,8 +209,8 @@ def test_study_part4_reported_runs_use_the_tuned_picks():
     from bitune import BituneConfig
     from bitune.data.datasets import DATASETS
 
-    runs = yaml.safe_load((PART4 / "report.yaml").read_text())["runs"]
-    assert "tuning" not in runs
+    runs = read_settings(PART4 / SETTINGS_FILE).runs
+    assert runs and "tuning" not in runs
     evals = sorted(path for task in runs for path in (PART4 / task).glob("*/eval.json"))
     if not evals:
         pytest.skip("no reported-split run has finished yet")
