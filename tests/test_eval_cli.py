@@ -179,6 +179,32 @@ def test_sweep_refuses_an_earlier_evaluation_of_other_tasks_or_questions(checkpo
     assert message in capsys.readouterr().err
 
 
+def test_a_second_sweep_into_a_folder_extends_its_report(checkpoint, tmp_path, monkeypatch):
+    """The report is the folder's: another method swept into it later joins the earlier runs, instead of a report
+    of the second sweep's runs alone replacing the first one's."""
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch)) == 0
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch, **{"--methods": "pretrained"})) == 0
+    md = (tmp_path / "sweep" / "report.md").read_text()
+    table = md[md.index("| method |"):].split("\n\n")[0].splitlines()[2:]
+    assert [line.split("|")[1].strip() for line in table] == ["pretrained", "bitune"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"--limit": "3"}, "evaluated with --limit 2, this sweep 3"),
+    ({"--split": "tuning"}, "evaluated with piqa on its validation split, this sweep on dev"),
+])
+def test_a_sweep_into_a_folder_of_runs_on_other_questions_is_refused_before_training(checkpoint, tmp_path,
+                                                                                     monkeypatch, capsys, changes,
+                                                                                     message):
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch, **{"--methods": "pretrained"})) == 0
+    report = (tmp_path / "sweep" / "report.md").read_text()
+    assert main(_sweep_args(checkpoint, tmp_path, monkeypatch, **changes)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Use another --output-dir" in err
+    assert not (tmp_path / "sweep" / "bitune-1").exists()  # nothing trained
+    assert (tmp_path / "sweep" / "report.md").read_text() == report  # the folder's report untouched
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"--seeds": "42,42"}, "--seeds names 42 twice"),
     ({"--methods": "lora,bitune,lora"}, "--methods names 'lora' twice"),

@@ -8,8 +8,10 @@ evaluated once (it has no seed: nothing is trained). Runs go seed by seed (every
 (the trainer's ``final/``, ``log.jsonl``, ``settings.yaml`` plus ``eval.json``); runs whose ``eval.json``
 exists are skipped and a finished ``final/`` is not retrained, so an interrupted sweep resumes by running the same
 command again, also from a copy of the small files alone (``eval.json`` is what marks a run done). The report
-over the sweep's runs is ``bitune report``'s (accuracies with intervals, paired differences, trivial baselines,
-wall time), written to ``OUTPUT_DIR/report.{md,csv,png}``.
+is ``bitune report OUTPUT_DIR``'s (accuracies with intervals, paired differences, trivial baselines, wall time),
+written to ``OUTPUT_DIR/report.{md,csv,png}``: over every run in the folder, so a second sweep into it (another
+method, more seeds) extends the report instead of replacing it with its own runs. Earlier runs in the folder must
+therefore be on the same splits and ``--limit`` as the sweep's; others are refused before anything trains.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
-from ..eval.report import load_records
+from ..eval.report import find_results, load_records
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
 from ..records import RESULT_FILE, record_splits
@@ -154,6 +156,26 @@ def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
     return True
 
 
+def earlier_runs(out: Path, planned: list[Path], splits: dict[str, str], limit: int | None) -> list[Path]:
+    """The other ``eval.json`` files the folder's report reads (``bitune report OUTPUT_DIR``: every one below it, or
+    the folders its ``report.yaml`` names), beside the sweep's own runs. Each must hold this sweep's split of every
+    task the two share, and its ``--limit``: the report pools them with the sweep's runs, and would otherwise mix
+    other questions in (or fail after the training)."""
+    if not out.is_dir() or next(out.rglob(RESULT_FILE), None) is None:
+        return []
+    own = {p.resolve() for p in planned}
+    files = [f for f in find_results([str(out)]) if f.resolve() not in own]
+    for f, record in zip(files, load_records(files)):
+        done, was = record_splits(record), record["config"].get("limit")
+        clash = sorted(t for t in done.keys() & splits.keys() if done[t] != splits[t])
+        if clash or was != limit:
+            what = (f"{clash[0]} on its {done[clash[0]]} split, this sweep on {splits[clash[0]]}" if clash
+                    else f"--limit {was}, this sweep {limit}")
+            raise BituneError(f"{out} holds {f}, evaluated with {what}; the sweep's report covers every run in "
+                              "its folder and must not pool them. Use another --output-dir")
+    return files
+
+
 def run(args: argparse.Namespace) -> int:
     from ..eval.evaluate import check_eval_options, quiet_lm_eval  # lm-eval (the eval extra): before anything trains
     from ..eval.tasks import PREFIX, make_tasks, task_split
@@ -166,13 +188,12 @@ def run(args: argparse.Namespace) -> int:
     with quiet_lm_eval():
         splits = {t.config.task.removeprefix(PREFIX): task_split(t) for t in make_tasks(args.tasks, args.split)}
     out = check_output_dir(args.output_dir, "--output-dir")
-    results: list[Path] = []
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
     plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]
-    for method, seed in plan:
-        run_dir = out / (method.label if seed is None else f"{method.label}-{seed}")
-        result = run_dir / RESULT_FILE
-        results.append(result)
+    results = [out / (m.label if seed is None else f"{m.label}-{seed}") / RESULT_FILE for m, seed in plan]
+    results = earlier_runs(out, results, splits, args.limit) + results  # before anything trains
+    for (method, seed), result in zip(plan, results[-len(plan):]):
+        run_dir = result.parent
         if check_done(result, splits, args.limit):
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
             continue
@@ -194,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
             train_run(settings, resume=resume, overwrite=restart)
         evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                      device=args.device, label=method.label, output=result, split=args.split)
-    from . import report  # the same report as 'bitune report' over these runs (not a second, shorter one)
+    from . import report  # 'bitune report OUTPUT_DIR': the folder's runs, earlier sweeps' with this one's
 
     parser = argparse.ArgumentParser(prog="bitune report")
     report.configure(parser)
