@@ -122,6 +122,9 @@ PY
     lr=$(cat "$tdir/lr")
     sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds 42 --tasks "$task" --split tuning \
       --output-dir "$tdir" -- "$conf/bitune_share0.1.yaml" "$conf/bitune_share0.01.yaml"
+    # The pinned commit's sweep reports the runs of its own call (here one method each), which replaced the tuning
+    # folder's report of every run; this checkout's sweep reports the folder. Write the folder's report again.
+    PYTHONPATH= "$BITUNE" report "$tdir" --output "$tdir" > /dev/null
     if [ ! -f "$tdir/bitune_warm.yaml" ]; then
       local warm
       warm=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" bitune_share0.1 bitune_share0.01)
