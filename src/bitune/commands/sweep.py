@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
 from ..errors import BituneError, closest
-from ..eval.report import find_results, load_records
+from ..eval.report import load_records, results_below
 from ..files import check_output_dir
 from ..hub import check_model_name, resolve_device
 from ..records import RESULT_FILE, record_splits
@@ -161,10 +161,8 @@ def earlier_runs(out: Path, planned: list[Path], splits: dict[str, str], limit: 
     the folders its ``report.yaml`` names), beside the sweep's own runs. Each must hold this sweep's split of every
     task the two share, and its ``--limit``: the report pools them with the sweep's runs, and would otherwise mix
     other questions in (or fail after the training)."""
-    if not out.is_dir() or next(out.rglob(RESULT_FILE), None) is None:
-        return []
     own = {p.resolve() for p in planned}
-    files = [f for f in find_results([str(out)]) if f.resolve() not in own]
+    files = [f for f in results_below(out) if f.resolve() not in own]
     for f, record in zip(files, load_records(files)):
         done, was = record_splits(record), record["config"].get("limit")
         clash = sorted(t for t in done.keys() & splits.keys() if done[t] != splits[t])
@@ -191,8 +189,8 @@ def run(args: argparse.Namespace) -> int:
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
     plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]
     results = [out / (m.label if seed is None else f"{m.label}-{seed}") / RESULT_FILE for m, seed in plan]
-    results = earlier_runs(out, results, splits, args.limit) + results  # before anything trains
-    for (method, seed), result in zip(plan, results[-len(plan):]):
+    earlier = earlier_runs(out, results, splits, args.limit)  # before anything trains
+    for (method, seed), result in zip(plan, results):
         run_dir = result.parent
         if check_done(result, splits, args.limit):
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
@@ -219,4 +217,4 @@ def run(args: argparse.Namespace) -> int:
 
     parser = argparse.ArgumentParser(prog="bitune report")
     report.configure(parser)
-    return report.run(parser.parse_args([*map(str, results), "--output", str(out), "--metric", args.metric]))
+    return report.run(parser.parse_args([*map(str, earlier + results), "--output", str(out), "--metric", args.metric]))

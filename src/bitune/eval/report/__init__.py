@@ -76,6 +76,7 @@ from .records import (
     find_results,
     load_records,
     metric_of,
+    results_below,
     task_title,
 )
 from .settings import SETTINGS_FILE, ReportSettings, find_settings, read_settings
@@ -86,6 +87,6 @@ __all__ = [
     "Trivial", "Unpaired", "aggregate", "analyse", "build_markdown", "build_summary", "check_comparable",
     "check_embed", "check_splits", "collect_runs", "compare", "comparisons", "difference_rows", "embed_report",
     "embedded", "find_results", "find_settings", "load_records", "markdown_table", "metric_of", "planned",
-    "plot_accuracy", "pooled", "print_report", "read_settings", "task_title", "title_of", "trivial_baselines",
+    "plot_accuracy", "pooled", "print_report", "read_settings", "results_below", "task_title", "title_of", "trivial_baselines",
     "unpaired_text", "write_report",
 ]

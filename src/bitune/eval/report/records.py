@@ -25,17 +25,22 @@ TASK_TITLES = {"piqa": "PIQA", "arc_challenge": "ARC-C", "arc_easy": "ARC-E", "c
 def task_title(task: str) -> str:
     """The name a report gives a task (``ARC-C`` for ``arc_challenge``; an unknown task by its own name)."""
     return TASK_TITLES.get(task, task)
+def results_below(folder: Path) -> list[Path]:
+    """Every ``eval.json`` below ``folder`` (sorted per searched folder), or, where it holds a ``report.yaml``
+    whose ``runs`` names its report's folders, below those only; none found is an empty list."""
+    runs = read_settings(folder / SETTINGS_FILE).runs if (folder / SETTINGS_FILE).is_file() else None
+    searched = [folder] if runs is None else [folder / run for run in runs if (folder / run).is_dir()]
+    return [f for d in searched for f in sorted(d.rglob(RESULT_FILE))]
+
+
 def find_results(paths: list[str]) -> list[Path]:
-    """Eval JSON files: given files, plus every ``eval.json`` below given folders (sorted). A folder holding a
-    ``report.yaml`` whose ``runs`` names its report's folders is searched in those only."""
+    """Eval JSON files: given files, plus every ``eval.json`` below given folders (:func:`results_below`)."""
     files: list[Path] = []
     for p in (Path(check_named(p, "RUN")) for p in paths):  # "" would search the current folder
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            runs = read_settings(p / SETTINGS_FILE).runs if (p / SETTINGS_FILE).is_file() else None
-            for folder in [p] if runs is None else [p / run for run in runs if (p / run).is_dir()]:
-                files += sorted(folder.rglob(RESULT_FILE))
+            files += results_below(p)
         else:
             raise BituneError(f"{p} is neither an eval JSON nor a folder")
     if not files:
