@@ -13,6 +13,7 @@
 #                                          # the paper's protocol as written (batch 1 x 10, CSQA one epoch; GPU)
 #   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
 #   PART=4 THREADS=2 ./scripts/study.sh         # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
+#   PART=4 SEEDS="43 44" GRID4=lora ./scripts/study.sh   # part 4, only these grid runs (to fit a session's time)
 #
 # Part 3 (results/smollm2-csqa-piqa-siqa): CSQA and (if LoRA learns it; PIQA and SIQA did not) ARC-Easy, each
 # with pretrained, LoRA r8, LoRA r16, LoRA r8
@@ -131,12 +132,24 @@ PY
       { echo "# bitune_warm: Bitune r8 from the start share picked on the tuning split ($warm; scripts/study.sh)."
         grep -v '^#' "$conf/$warm.yaml"; } > "$tdir/bitune_warm.yaml"
     fi
+    local -a grid=()
+    local m
+    for m in ${GRID4:-pretrained lora bitune lora_compute bitune_warm}; do  # GRID4: a subset, to pack a session
+      case "$m" in
+        pretrained|lora|bitune) grid+=("$m") ;;
+        lora_compute) grid+=("$dir/lora_compute.yaml") ;;
+        bitune_warm) grid+=("$tdir/bitune_warm.yaml") ;;
+        *) echo "study: GRID4 names an unknown method '$m' (pretrained lora bitune lora_compute bitune_warm)" >&2
+           exit 2 ;;
+      esac
+    done
     for seed in $SEEDS; do
       sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds "$seed" --tasks "$task" --output-dir "$dir" \
-        -- pretrained lora bitune "$dir/lora_compute.yaml" "$tdir/bitune_warm.yaml"
+        -- "${grid[@]}"
     done
+    local methods="${grid[*]}"
     "$BITUNE" sweep --config "$conf/$task.yaml" --set "lr=$lr" --seeds ${SEEDS// /,} --tasks "$task" \
-      --methods "pretrained,lora,bitune,$dir/lora_compute.yaml,$tdir/bitune_warm.yaml" --output-dir "$dir"
+      --methods "${methods// /,}" --output-dir "$dir"  # every run done by now: the report over them
   done
   unset PYTHONPATH
 }
