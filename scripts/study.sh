@@ -13,7 +13,7 @@
 #                                          # the paper's protocol as written (batch 1 x 10, CSQA one epoch; GPU)
 #   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
 #   PART=4 THREADS=2 ./scripts/study.sh         # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
-#   PART=4 SEEDS="43 44" GRID4=lora ./scripts/study.sh   # part 4, only these grid runs (to fit a session's time)
+#   PART=4 TASKS4=arc_easy SEEDS="43 44" GRID4=lora ./scripts/study.sh  # only these grid runs (to fit a session)
 #
 # Part 3 (results/smollm2-csqa-piqa-siqa): CSQA and (if LoRA learns it; PIQA and SIQA did not) ARC-Easy, each
 # with pretrained, LoRA r8, LoRA r16, LoRA r8
