@@ -5,7 +5,8 @@
 Left: the training loss over steps of each trained method (the mean over its seeds of each logged step's loss,
 which is the mean over the steps since the previous record). Right: the mean over layers of the bidirectional
 share a_k (solid) and a_v (dashed) of each method that mixes, from its start (``bitune.init_share``, 0.5 by
-default) to its last step. Runs are the subfolders ``<method>-<seed>`` holding a ``log.jsonl``.
+default) to its last step. Runs are the subfolders ``<method>-<seed>`` holding a ``log.jsonl`` of a finished training (one
+with its ``train_runtime`` record); a run still training is left out.
 """
 
 from __future__ import annotations
@@ -34,11 +35,15 @@ def curves(folder: Path) -> tuple[dict, dict]:
         if match is None:
             continue
         method = match["method"]
-        for line in log.read_text(encoding="utf-8").splitlines():
+        text = log.read_text(encoding="utf-8")
+        if '"train_runtime"' not in text:  # still training (or cut off): its seed would join the mean part-way
+            print(f"study figures: {log.parent.name} has not finished training, left out", file=sys.stderr)
+            continue
+        for line in text.splitlines():
             record = json.loads(line)
             if "loss" in record and "train_runtime" not in record and record.get("step"):
                 loss[method][record["step"]].append(float(record["loss"]))
-        if '"a_k"' in log.read_text(encoding="utf-8"):
+        if '"a_k"' in text:
             steps, ratios = read_mixing_log(log)
             for key in ("k", "v"):
                 for step, per_layer in zip(steps, ratios[key]):
