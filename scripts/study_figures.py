@@ -1,12 +1,16 @@
 """The mechanism of a study task, drawn from its runs' training logs (study part 4, issue 40 item 7).
 
-    python scripts/study_figures.py results/qwen2.5-arc-easy-csqa/arc_easy      # writes <folder>/training.png
+    python scripts/study_figures.py results/qwen2.5-arc-easy-csqa/arc_easy      # <folder>/training.png and .md
 
 Left: the training loss over steps of each trained method (the mean over its seeds of each logged step's loss,
 which is the mean over the steps since the previous record). Right: the mean over layers of the bidirectional
 share a_k (solid) and a_v (dashed) of each method that mixes, from its start (``bitune.init_share``, 0.5 by
 default) to its last step. Runs are the subfolders ``<method>-<seed>`` holding a ``log.jsonl`` of a finished training (one
 with its ``train_runtime`` record); a run still training is left out.
+
+``training.md`` holds the same logs as numbers, per run: its training loss minus that of ``lora`` at the same
+seed (the same batches) averaged over the logged steps of each window, the share of logged steps after step 100
+where it is above, and the mean bidirectional share of keys and values at its lowest and at its last step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,56 @@ def curves(folder: Path) -> tuple[dict, dict]:
     return loss, share
 
 
+def runs(folder: Path) -> dict[tuple[str, int], list[dict]]:
+    """The finished runs' training records, ``{(method, seed): [record per logged step]}``."""
+    out = {}
+    for log in sorted(folder.glob("*/log.jsonl")):
+        match = RUN.match(log.parent.name)
+        records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+        if match is None or not any("train_runtime" in r for r in records):
+            continue
+        out[match["method"], int(match["seed"])] = [r for r in records if "loss" in r and r.get("step")
+                                                    and "train_runtime" not in r]
+    return out
+
+
+WINDOWS = ((1, 50), (51, 100), (101, None))
+
+
+def dynamics(folder: Path) -> str:
+    """The mechanism as a markdown table: each run against ``lora`` at its seed, over step windows."""
+    found = runs(folder)
+    header = ["run"] + [f"loss - lora, steps {lo}-{hi or 'end'}" for lo, hi in WINDOWS]
+    header += ["above lora after step 100", "a_k lowest", "a_k last", "a_v last"]
+    rows = []
+    for (method, seed), records in sorted(found.items()):
+        base = {r["step"]: r["loss"] for r in found.get(("lora", seed), [])}
+        if method == "lora":
+            continue
+        end = max(base, default=0)
+        cells = [f"{method}-{seed}"]
+        for lo, hi in WINDOWS:
+            gaps = [r["loss"] - base[r["step"]] for r in records
+                    if r["step"] in base and lo <= r["step"] <= (hi or end)]
+            cells.append(f"{np.mean(gaps):+.3f}" if gaps else "-")
+        late = [r["loss"] > base[r["step"]] for r in records if r["step"] in base and r["step"] > 100]
+        cells.append(f"{sum(late)}/{len(late)}" if late else "-")
+        mean_k = [float(np.mean(r["a_k"])) for r in records if "a_k" in r]
+        mean_v = [float(np.mean(r["a_v"])) for r in records if "a_v" in r]
+        cells += [f"{min(mean_k):.2f}", f"{mean_k[-1]:.2f}", f"{mean_v[-1]:.2f}"] if mean_k else ["-"] * 3
+        rows.append(cells)
+    lines = [f"# {folder.name}: training dynamics against `lora` at the same seed",
+             "",
+             "Made by `scripts/study_figures.py` from each finished run's `log.jsonl` (a logged step's loss is the",
+             "mean over the steps since the previous record; windows end at `lora`'s last step). `lora_compute`'s",
+             "learning-rate schedule is longer, so it is not at `lora`'s rate at the same step.",
+             "",
+             "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
 def figure(folder: Path) -> Path:
     loss, share = curves(folder)
     if not loss:
@@ -92,4 +146,8 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    print(figure(Path(sys.argv[1])))
+    folder = Path(sys.argv[1])
+    print(figure(folder))
+    table = folder / "training.md"
+    table.write_text(dynamics(folder), encoding="utf-8")
+    print(table)

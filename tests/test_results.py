@@ -227,3 +227,15 @@ def test_study_part4_reported_runs_use_the_tuned_picks():
             warm = yaml.safe_load((tuning / "bitune_warm.yaml").read_text())["bitune"]["init_share"]
             share = warm if path.parent.name.startswith("bitune_warm-") else BituneConfig().init_share
             assert settings["bitune"]["init_share"] == share, f"{path.parent.name} started at another share"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent for p in PART4.glob("*/training.md")), ids=lambda p: p.name)
+def test_study_part4_dynamics_table_reproduces_from_the_run_logs(folder):
+    """The mechanism's numbers quoted in the texts (each run's loss against ``lora`` at its seed, the bidirectional
+    share) are ``training.md``, which ``scripts/study_figures.py`` computes from the committed logs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("study_figures", RESULTS.parent / "scripts" / "study_figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.dynamics(folder) == (folder / "training.md").read_text(encoding="utf-8")
