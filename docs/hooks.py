@@ -60,6 +60,9 @@ def on_files(files: Files, config) -> Files:
             files.append(File.generated(config, f"results/{study}/report.md", content=report_page(study)))
         for figure in sorted(folder.rglob("training.png")):  # scripts/study_figures.py, one per task folder
             files.append(_static(figure.relative_to(ROOT).as_posix(), config))
+        for table in sorted(folder.rglob("training.md")):  # its numbers, per run
+            files.append(File.generated(config, table.relative_to(ROOT).as_posix(),
+                                        content=table.read_text(encoding="utf-8")))
     for path in sorted((ROOT / BENCH).glob("*.json")):
         files.append(_static(f"{BENCH}/{path.name}", config))
     return files
