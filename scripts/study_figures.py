@@ -20,6 +20,7 @@ import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -29,51 +30,56 @@ from bitune.plot import read_mixing_log
 RUN = re.compile(r"^(?P<method>.+)-(?P<seed>\d+)$")
 
 
-def curves(folder: Path) -> tuple[dict, dict]:
-    """Per method, ``{step: [loss per seed]}`` and ``{"k"|"v": {step: [mean a per seed]}}``."""
-    loss: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    share: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: {"k": defaultdict(list),
-                                                                               "v": defaultdict(list)})
+class Run(NamedTuple):
+    """One finished training: its log file and its logged steps (the records with a training loss)."""
+
+    method: str
+    seed: int
+    log: Path
+    steps: list[dict]
+
+
+def runs(folder: Path) -> dict[tuple[str, int], Run]:
+    """The finished runs under ``folder``, ``{(method, seed): Run}``: subfolders ``<method>-<seed>`` whose
+    ``log.jsonl`` holds the ``train_runtime`` record that ends a training. A run still training (or cut off) is left
+    out, so that its seed never joins a mean part-way."""
+    out = {}
     for log in sorted(folder.glob("*/log.jsonl")):
         match = RUN.match(log.parent.name)
         if match is None:
             continue
-        method = match["method"]
-        text = log.read_text(encoding="utf-8")
-        if '"train_runtime"' not in text:  # still training (or cut off): its seed would join the mean part-way
+        records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+        if not any("train_runtime" in r for r in records):
             print(f"study figures: {log.parent.name} has not finished training, left out", file=sys.stderr)
             continue
-        for line in text.splitlines():
-            record = json.loads(line)
-            if "loss" in record and "train_runtime" not in record and record.get("step"):
-                loss[method][record["step"]].append(float(record["loss"]))
-        if '"a_k"' in text:
-            steps, ratios = read_mixing_log(log)
+        steps = [r for r in records if "loss" in r and r.get("step") and "train_runtime" not in r]
+        out[match["method"], int(match["seed"])] = Run(match["method"], int(match["seed"]), log, steps)
+    return out
+
+
+def curves(found: dict[tuple[str, int], Run]) -> tuple[dict, dict]:
+    """Per method, ``{step: [loss per seed]}`` and ``{"k"|"v": {step: [mean a per seed]}}``; the shares are
+    ``bitune.plot.read_mixing_log``'s, which start at step 0 with the run's initial share."""
+    loss: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    share: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: {"k": defaultdict(list),
+                                                                               "v": defaultdict(list)})
+    for run in found.values():
+        for record in run.steps:
+            loss[run.method][record["step"]].append(float(record["loss"]))
+        if any("a_k" in r for r in run.steps):
+            steps, ratios = read_mixing_log(run.log)
             for key in ("k", "v"):
                 for step, per_layer in zip(steps, ratios[key]):
-                    share[method][key][step].append(float(np.mean(per_layer)))
+                    share[run.method][key][step].append(float(np.mean(per_layer)))
     return loss, share
-
-
-def runs(folder: Path) -> dict[tuple[str, int], list[dict]]:
-    """The finished runs' training records, ``{(method, seed): [record per logged step]}``."""
-    out = {}
-    for log in sorted(folder.glob("*/log.jsonl")):
-        match = RUN.match(log.parent.name)
-        records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
-        if match is None or not any("train_runtime" in r for r in records):
-            continue
-        out[match["method"], int(match["seed"])] = [r for r in records if "loss" in r and r.get("step")
-                                                    and "train_runtime" not in r]
-    return out
 
 
 WINDOWS = ((1, 50), (51, 100), (101, None))
 
 
-def dynamics(folder: Path) -> str:
+def dynamics(folder: Path, found: dict[tuple[str, int], Run] | None = None) -> str:
     """The mechanism as a markdown table: each run against ``lora`` at its seed, over step windows."""
-    found = runs(folder)
+    found = {key: run.steps for key, run in (runs(folder) if found is None else found).items()}
     header = ["run"] + [f"loss - lora, steps {lo}-{hi or 'end'}" for lo, hi in WINDOWS]
     header += ["above lora after step 100", "a_k lowest", "a_k last", "a_v last"]
     rows = []
@@ -105,8 +111,8 @@ def dynamics(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(folder: Path) -> Path:
-    loss, share = curves(folder)
+def figure(folder: Path, found: dict[tuple[str, int], Run] | None = None) -> Path:
+    loss, share = curves(runs(folder) if found is None else found)
     if not loss:
         raise SystemExit(f"study figures: no <method>-<seed>/log.jsonl with losses under {folder}")
     fig = Figure(figsize=(11, 4.2), layout="constrained")
@@ -147,7 +153,8 @@ if __name__ == "__main__":
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     folder = Path(sys.argv[1])
-    print(figure(folder))
+    found = runs(folder)
+    print(figure(folder, found))
     table = folder / "training.md"
-    table.write_text(dynamics(folder), encoding="utf-8")
+    table.write_text(dynamics(folder, found), encoding="utf-8")
     print(table)
