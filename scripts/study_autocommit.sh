@@ -14,9 +14,8 @@ while true; do
     d=$(dirname "$f")
     files=$(ls "$d"/eval.json "$d"/log.jsonl "$d"/settings.yaml 2>/dev/null)
     if [ -n "$(git status --porcelain -- $files)" ]; then
-      OMP_NUM_THREADS=1 "$BITUNE" report "$OUT" --output "$OUT" --embed "$OUT/README.md" \
-        --embed-summary README.md > /dev/null
-      report="$OUT/report.md $OUT/report.csv $OUT/report.png $OUT/README.md README.md"
+      OMP_NUM_THREADS=1 "$BITUNE" report "$OUT" --output "$OUT" --embed "$OUT/README.md" > /dev/null
+      report="$OUT/report.md $OUT/report.csv $OUT/report.png $OUT/README.md"  # the main README shows part 4's summary
       for i in 1 2 3 4 5; do
         git add -- $files $report && git commit -q -m "study part 3: ${d#results/} finished (eval.json, log, settings; report regenerated)" --only -- $files $report && break
         sleep 5

@@ -52,10 +52,9 @@ def test_study_readme_shows_exactly_the_committed_report(study):
 
 
 README = RESULTS.parent / "README.md"
-README_STUDY = RESULTS / "smollm2-csqa-piqa-siqa"
-"""The study whose summary the README shows (``bitune report results/smollm2-csqa-piqa-siqa --output
-results/smollm2-csqa-piqa-siqa --embed-summary README.md``; ``scripts/study_autocommit.sh`` regenerates it with
-each finished run)."""
+README_STUDY = RESULTS / "qwen2.5-arc-easy-csqa"
+"""The study whose summary the README shows: part 4, the paper's protocol (``bitune report
+results/qwen2.5-arc-easy-csqa --output results/qwen2.5-arc-easy-csqa --embed-summary README.md``)."""
 
 
 def test_readme_summary_reproduces_from_its_study():
