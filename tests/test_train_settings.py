@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from bitune.cli import main
+from bitune.config_files import PACKAGED
 from bitune.errors import BituneError
 from bitune.train.settings import TrainSettings, field_docs, load_settings
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = PACKAGED
 
 
 def write(path: Path, text: str) -> Path:
@@ -78,6 +79,7 @@ def test_several_configs_merge_in_order():
     ("epochs=-1", ["epochs must be > 0", "-1"]),
     ("max_grad_norm=-0.5", ["max_grad_norm must be >= 0", "-0.5"]),
     ("weight_decay=nan", ["weight_decay"]),
+    ("init_share=0.1", ["'init_share'", "did you mean 'bitune.init_share'"]),  # a model setting outside its section
 ])
 def test_invalid_settings_are_named(override, names):
     with pytest.raises(BituneError) as e:
@@ -139,6 +141,46 @@ def test_cli_dry_run_prints_resolved_settings(capsys):
     assert main(["train", "--config", str(CONFIGS / "quickstart.yaml"), "--set", "seed=7", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "seed: 7" in out and "output_dir: runs/quickstart/bitune-s7" in out
+
+
+def test_cli_dry_run_refuses_a_finished_run_folder_as_the_run_does(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "log.jsonl").write_text("{}\n")
+    assert main(["train", "--set", f"output_dir={run}", "--dry-run"]) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+    assert main(["train", "--set", f"output_dir={run}", "--dry-run", "--resume"]) == 2  # finished: not resumable
+    assert "holds a finished run" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["final", "log.jsonl"]  # and nothing written
+
+
+def test_a_config_is_a_local_file_first_else_the_packaged_one_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty folder, as after 'pip install bitune'
+    named = [load_settings(n) for n in ("methods/lora16", "methods/lora16.yaml", "configs/methods/lora16.yaml")]
+    assert all(s == named[0] for s in named) and named[0].bitune.rank == 16
+    s = load_settings(["tasks/piqa", "methods/lora16"])  # tasks/piqa extends base.yaml inside the package
+    assert (s.dataset, s.lr, s.max_length, s.bitune.rank) == ("piqa", 1e-3, 512, 16)
+    (tmp_path / "methods").mkdir()
+    write(tmp_path / "methods" / "lora16.yaml", "bitune:\n  variant: lora\n  rank: 3\n")
+    assert load_settings("methods/lora16").bitune.rank == 3  # the local file wins
+    with pytest.raises(BituneError, match="nor a packaged config .did you mean the packaged config methods/lora16"):
+        load_settings("methods/lora61")
+
+
+def test_configs_list_names_and_copy_edits_a_packaged_config(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["configs", "list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert {"methods/bitune", "tasks/piqa", "accelerate/fsdp", "study/part4/csqa", "quickstart"} <= set(listed)
+    assert main(["configs", "copy", "tasks/piqa", "mine.yaml"]) == 0
+    copy = tmp_path / "mine.yaml"
+    assert load_settings(copy) == load_settings("tasks/piqa")  # its 'extends' still reaches the packaged base
+    write(copy, copy.read_text() + "seed: 7\n")
+    assert main(["configs", "copy", "tasks/piqa", "mine.yaml"]) == 2  # never replaces the edited copy
+    assert "already exists" in capsys.readouterr().err and load_settings(copy).seed == 7
+    assert main(["configs", "copy", "methods/bitune", "."]) == 0 and (tmp_path / "bitune.yaml").is_file()
+    assert main(["configs", "copy", "methods/bitun", "x.yaml"]) == 2
+    assert "did you mean methods/bitune" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
 
 
 def test_cli_help_lists_every_setting(capsys):

@@ -34,6 +34,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("bitune.commands.bench", "benchmark training, generation and serving speed/memory against LoRA"),
     "export": ("bitune.commands.export", "export a checkpoint's causal weights merged, as a plain transformers model"),
     "serve": ("bitune.commands.serve", "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"),
+    "configs": ("bitune.commands.configs", "list the packaged configs, or copy one for editing"),
 }
 DEBUG_HELP = "show the full traceback of an unexpected error"
 EXTRAS: dict[str, str] = {"lm_eval": "eval", "scipy": "eval", "matplotlib": "plot", "fastapi": "serve",

@@ -110,9 +110,10 @@ def parse_seeds(text: str) -> list[int]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Train each method with each seed from one training config, evaluate every run with "
                           "'bitune eval', and aggregate with 'bitune report'. Example:\n  bitune sweep --config "
-                          "configs/tasks/piqa.yaml --methods pretrained,lora,lora16,bitune --seeds 42,43,44 "
+                          "tasks/piqa.yaml --methods pretrained,lora,lora16,bitune --seeds 42,43,44 "
                           "--tasks piqa --output-dir runs/piqa-sweep")
-    parser.add_argument("--config", metavar="FILE.yaml", help="training config (as for 'bitune train')")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="training config (as for 'bitune train': a file or a packaged config's name)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="training setting override for every run (repeatable), e.g. --set steps=100")
     parser.add_argument("--methods", default="pretrained,lora,lora16,bitune",

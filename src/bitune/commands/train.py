@@ -4,6 +4,7 @@ or a baseline, in one process or data-parallel in N (re-launched through ``torch
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .. import config
 from ..config import BituneConfig
@@ -12,6 +13,7 @@ from ..errors import BituneError
 from ..files import check_output_dir
 from ..hub import BUILTIN_MODELS, check_model_name
 from ..processes import check_fsdp_processes, world_size
+from ..train.run_folder import check_run_folder
 from ..train.settings import TrainSettings, field_docs, load_settings
 from .launcher import launch
 from .options import HelpFormatter, add_threads_option
@@ -49,17 +51,20 @@ def settings_help() -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = HelpFormatter
     parser.description = ("Train a Bitune model or a baseline (variant, method and hyperparameters from a YAML "
-                          "config plus overrides). Examples:\n  bitune train --config configs/quickstart.yaml\n"
-                          "  bitune train --config configs/tasks/piqa.yaml --set seed=43\n"
-                          "  bitune train --config configs/tasks/piqa.yaml --config configs/methods/lora16.yaml\n"
-                          "  bitune train --config configs/tasks/piqa.yaml --num-processes 2   # data-parallel (DDP)\n"
-                          "  bitune train --config configs/tasks/piqa.yaml --num-processes 2 --fsdp   # sharded (FSDP2)\n"
+                          "config plus overrides). A config is a local file or, failing that, a packaged "
+                          "config by name ('bitune configs list'). Examples:\n"
+                          "  bitune train --config quickstart.yaml\n"
+                          "  bitune train --config tasks/piqa.yaml --set seed=43\n"
+                          "  bitune train --config tasks/piqa.yaml --config methods/lora16.yaml\n"
+                          "  bitune train --config tasks/piqa.yaml --num-processes 2   # data-parallel (DDP)\n"
+                          "  bitune train --config tasks/piqa.yaml --num-processes 2 --fsdp   # sharded (FSDP2)\n"
                           "batch_size is per process: N processes give a global batch of N x batch_size x "
                           "grad_accum.")
     parser.epilog = settings_help()
     parser.add_argument("--config", action="append", metavar="FILE.yaml",
-                        help="YAML file of settings (see below); repeat to merge several in order, e.g. a task "
-                             "then configs/methods/lora16.yaml; omitted: the defaults")
+                        help="YAML file of settings (see below), or a packaged config's name (methods/lora16); "
+                             "repeat to merge several in order, e.g. a task then methods/lora16.yaml; omitted: the "
+                             "defaults")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one setting, e.g. --set lr=1e-3 --set bitune.rank=16 (repeatable)")
     parser.add_argument("--resume", action="store_true",
@@ -87,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     settings.check_dataset()
     check_model_name(settings.model)  # a misspelt built-in, a missing folder, a checkpoint: before anything loads
     check_output_dir(settings.output_dir, "output_dir")
-    if args.dry_run:
+    if args.dry_run:  # refused as the run would refuse it (the run checks again, under its lock)
+        check_run_folder(Path(settings.output_dir), settings, args.resume, args.overwrite)
         print(settings.to_yaml(), end="")
         return 0
     if args.num_processes < 1:

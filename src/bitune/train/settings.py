@@ -2,8 +2,9 @@
 
 A config file is a mapping of :class:`TrainSettings` fields; the Bitune model settings form the nested
 ``bitune:`` section (:class:`bitune.config.BituneConfig`). A file may name another file to extend with
-``extends: base.yaml`` (resolved relative to itself); its sections are merged key by key. Every key is
-checked: a typo is rejected with the allowed keys and the closest match.
+``extends: base.yaml`` (resolved relative to itself, else as a packaged config's name); its sections are merged
+key by key. Every key is checked: a typo is rejected with the allowed keys and the closest match (a model setting
+given at the top level, with its ``bitune.`` name).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 import yaml
 
 from ..config import PROMPT_PASSES, BituneConfig
+from ..config_files import resolve_config, resolve_extends
 from ..data import datasets
 from ..errors import BituneError, did_you_mean
-from ..files import check_input_file, read_text
+from ..files import read_text
 from ..hub import DEFAULT_MODEL
 
 EXTENDS_KEY = "extends"
@@ -273,7 +275,7 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     parent = data.pop(EXTENDS_KEY, None)
     if parent is None:
         return data
-    base = read_yaml(path.parent / str(parent), (*_seen, path.resolve()))
+    base = read_yaml(resolve_extends(str(parent), path), (*_seen, path.resolve()))
     return _merge(base, data)
 
 
@@ -317,8 +319,10 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 def _check_keys(data: dict[str, Any], allowed: list[str], prefix: str) -> None:
     for key in data:
         if key not in allowed:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            close = [f"{prefix}{c}" for c in difflib.get_close_matches(str(key), allowed, n=1)]
+            if not close and not prefix:  # a model setting without its section: init_share -> bitune.init_share
+                close = [f"bitune.{c}" for c in difflib.get_close_matches(str(key), field_names(BituneConfig), n=1)]
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise BituneError(f"unknown setting '{prefix}{key}'{hint}; allowed: {', '.join(allowed)}")
     if isinstance(data.get("bitune"), dict):
         _check_keys(data["bitune"], field_names(BituneConfig), "bitune.")
