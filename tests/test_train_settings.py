@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,6 +184,44 @@ def test_configs_list_names_and_copy_edits_a_packaged_config(tmp_path, monkeypat
     assert main(["configs", "copy", "methods/bitune", "."]) == 0 and (tmp_path / "bitune.yaml").is_file()
     assert main(["configs", "copy", "methods/bitun", "x.yaml"]) == 2
     assert "did you mean methods/bitune" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
+
+
+def test_a_built_wheel_ships_the_configs_and_runs_the_documented_commands_from_an_empty_folder(tmp_path):
+    """Build the wheel from a copy of the sources, install it (no dependencies: they are this venv's) into a fresh
+    venv and run the guides' commands from an empty folder, as a user of a package index would (about 5 s)."""
+    root, src = Path(__file__).resolve().parents[1], tmp_path / "src"
+    shutil.copytree(root / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+                   check=True, capture_output=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages")]  # torch & co. from this venv, not bitune's source
+    (Path(purelib) / "_deps.pth").write_text("\n".join(deps) + "\n")
+    (wheel,) = (tmp_path / "dist").glob("bitune-*.whl")
+    subprocess.run([*pip, "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def bitune(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([venv / "bin" / "bitune", *argv], cwd=empty, capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
+
+    where = bitune("configs", "copy", "methods/bitune", "where.yaml")
+    assert where.returncode == 0, where.stderr
+    for config in (["methods/bitune.yaml"], ["configs/tasks/piqa.yaml", "configs/methods/lora16.yaml"],
+                   ["quickstart"], ["study/part4/csqa"], ["where.yaml"]):
+        done = bitune("train", *(a for c in config for a in ("--config", c)), "--set", "output_dir=run", "--dry-run")
+        assert done.returncode == 0, (config, done.stderr)
+    assert "lora16" in bitune("configs", "list").stdout
+    assert "site-packages/bitune/" in subprocess.run(
+        [venv / "bin" / "python", "-c", "import bitune.config_files as c; print(c.PACKAGED)"], cwd=empty,
+        capture_output=True, text=True).stdout  # the wheel's copy, not this checkout's
 
 
 def test_cli_help_lists_every_setting(capsys):
