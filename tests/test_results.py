@@ -205,7 +205,7 @@ def test_study_part4_reported_runs_use_the_tuned_picks():
     check it reproduces); every run there was scored on the task's reported split (never the tuning one), every
     trained run at the learning rate picked on the tuning split, ``bitune_warm`` from the start share picked there
     and ``bitune`` from the paper's."""
-    from bitune import BituneConfig
+    from bitune.config import PAPER_INIT_SHARE
     from bitune.data.datasets import DATASETS
 
     runs = read_settings(PART4 / SETTINGS_FILE).runs
@@ -224,7 +224,7 @@ def test_study_part4_reported_runs_use_the_tuned_picks():
         assert settings["lr"] == lr, f"{path.parent.name} trained at lr {settings['lr']}, not the tuned {lr}"
         if settings["bitune"]["variant"] == "bitune":
             warm = yaml.safe_load((tuning / "bitune_warm.yaml").read_text())["bitune"]["init_share"]
-            share = warm if path.parent.name.startswith("bitune_warm-") else BituneConfig().init_share
+            share = warm if path.parent.name.startswith("bitune_warm-") else PAPER_INIT_SHARE
             assert settings["bitune"]["init_share"] == share, f"{path.parent.name} started at another share"
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from bitune.model import BituneModel
 from bitune.records import record_splits
 from helpers.models import tiny_bitune, tiny_model
 from test_eval_report import paired_record, write_runs
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _csqa_docs(n):
@@ -114,3 +117,58 @@ def test_a_model_started_near_causal_keeps_its_config_and_its_learnt_thetas(tmp_
     loaded = BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama"), merge=False)
     assert loaded.config.init_share == 0.1
     assert loaded.mixing_ratios()["k"].tolist() == pytest.approx([0.75, 0.1], rel=1e-6)  # the saved thetas, not init
+
+
+def test_the_default_start_is_near_causal_and_the_paper_configs_pin_its_half():
+    """A user's run starts near causal (a short run does not begin half on untrained bidirectional features); the
+    paper's configs and every study config whose variant mixes start at the paper's 0.5, so reproductions and the
+    committed studies are unchanged; the start-share candidates of part 4 keep their own."""
+    from bitune.config import PAPER_INIT_SHARE
+    from bitune.train.settings import load_settings
+
+    assert BituneConfig().init_share == 0.1 and PAPER_INIT_SHARE == 0.5
+    configs = ROOT / "configs"
+    files = [*sorted((configs / "tasks").glob("*.yaml")), *sorted((configs / "study").rglob("*.yaml")),
+             *sorted((configs / "methods").glob("*.yaml")), configs / "instruct" / "ultrafeedback.yaml"]
+    checked = 0
+    for path in files:
+        settings = load_settings(path)
+        if not settings.bitune.mixes or path.stem.startswith("bitune_share"):
+            continue
+        assert settings.bitune.init_share == PAPER_INIT_SHARE, f"{path.relative_to(ROOT)} starts elsewhere"
+        checked += 1
+    assert checked >= 20
+    for demo in ("chat_demo", "alpaca_demo"):  # the walk-through's short runs take the user default
+        assert load_settings(configs / "instruct" / f"{demo}.yaml").bitune.init_share == 0.1
+
+
+def test_a_checkpoint_that_does_not_record_its_start_share_started_at_the_papers(tmp_path):
+    from bitune.config import CONFIG_FILE, read_config
+
+    model = tiny_bitune()
+    model.save_pretrained(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / CONFIG_FILE
+    data = json.loads(path.read_text())
+    assert data["init_share"] == 0.1
+    del data["init_share"]  # as a checkpoint saved before the setting existed
+    path.write_text(json.dumps(data))
+    assert read_config(tmp_path / "ckpt").init_share == 0.5
+    assert BituneModel.from_pretrained(tmp_path / "ckpt", base=tiny_model("llama")).config.init_share == 0.5
+
+
+@pytest.mark.parametrize("share", [1e-300, 1e-37])
+def test_a_start_share_whose_theta_underflows_float32_is_refused_in_one_line(share):
+    """theta = theta_init * a / (1 - a) at 1e-300 is 0 in float32, where |theta| has no gradient: the share
+    would stay 0 for the whole run without a word."""
+    assert float(torch.tensor(0.01 * share / (1 - share), dtype=torch.float32)) < torch.finfo(torch.float32).tiny
+    with pytest.raises(ValueError, match=r"init_share=1e-3\d+ is too small.*float32.*use at least"):
+        BituneConfig(init_share=share)
+    assert BituneConfig(init_share=1e-30).init_share == 1e-30  # small but representable: accepted
+
+
+def test_set_init_share_that_underflows_is_one_line_naming_the_key(tmp_path, capsys):
+    code = main(["train", "--set", "model=tiny", "--set", "dataset=tiny", "--set", "bitune.init_share=1e-300",
+                 "--set", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "init_share" in err[0] and "too small" in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -139,8 +139,38 @@ def test_resume_with_changed_settings_is_refused(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_training(first, settings)
     second, settings = make_trainer(tmp_path, steps=4, lr=1e-3)
-    with pytest.raises(BituneError, match=r"\['lr'\]"):
+    with pytest.raises(BituneError, match=r"settings lr \(saved 0.01, now 0.001\) differ"):
         run_training(second, settings, resume=True)
+
+
+def _settings_of(tmp_path, *sets: str):
+    """The settings ``bitune train --set ...`` builds for the run of :func:`interrupted_after_checkpoint_2`."""
+    from bitune.train.settings import load_settings
+
+    base = ["model=tiny", "dataset=tiny", f"output_dir={tmp_path / 'run'}", "batch_size=2", "grad_accum=2",
+            "steps=4", "lr=1e-2", "log_every=1", "seed=0", "save_every=2", "bitune.variant=bitune"]
+    return load_settings(None, [*base, *sets])
+
+
+def test_resume_of_a_run_saved_before_init_share_existed_continues_at_the_papers_start(tmp_path):
+    """64 of the committed runs' settings.yaml predate init_share: they started at 0.5 (then the default) and
+    resume as 0.5 under the new default; naming another share is refused by its key."""
+    from bitune.train.run_folder import check_run_folder
+
+    checkpoint = interrupted_after_checkpoint_2(tmp_path)
+    path = tmp_path / "run" / "settings.yaml"
+    saved = yaml.safe_load(path.read_text())
+    del saved["bitune"]["init_share"]  # as a run saved before the setting existed
+    path.write_text(yaml.safe_dump(saved))
+    settings = _settings_of(tmp_path)
+    assert settings.bitune.init_share == 0.1  # the new default, not named by the user
+    assert check_run_folder(tmp_path / "run", settings, resume=True) == checkpoint
+    assert settings.bitune.init_share == 0.5
+    with pytest.raises(BituneError, match=r"settings bitune.init_share \(saved 0.5, now 0.1\) differ"):
+        check_run_folder(tmp_path / "run", _settings_of(tmp_path, "bitune.init_share=0.1"), resume=True)
+    with pytest.raises(BituneError, match=r"settings bitune.rank \(saved 8, now 4\) differ"):
+        check_run_folder(tmp_path / "run", _settings_of(tmp_path, "bitune.rank=4"), resume=True)
+    assert check_run_folder(tmp_path / "run", _settings_of(tmp_path, "bitune.init_share=0.5"), resume=True)
 
 
 def test_resume_may_change_prompt_passes_also_in_a_run_that_saved_it(tmp_path):

@@ -18,6 +18,14 @@ from .errors import BituneError, did_you_mean
 from .files import check_named, read_text
 
 CONFIG_FILE = "bitune_config.json"
+PAPER_INIT_SHARE = 0.5
+"""The paper's bidirectional share at step 0 (theta = theta_init), pinned by its configs; the library's default
+:attr:`BituneConfig.init_share` starts nearer causal."""
+RECORDED_DEFAULTS: dict[str, Any] = {"template": "paper", "init_share": PAPER_INIT_SHARE}
+"""What a checkpoint or run that does not record a field was made with: the field's value before it was
+recorded (``template``) or before its default changed (``init_share``: 0.5 until the default became 0.1)."""
+FLOAT32_TINY = 1.1754943508222875e-38
+"""The smallest normal float32 (``torch.finfo(torch.float32).tiny``): the least start theta that is accepted."""
 """The file a checkpoint records its :class:`BituneConfig` in."""
 
 VARIANTS: dict[str, str] = {
@@ -56,6 +64,14 @@ decisions, resolved by ``BituneModel.forward_path`` (a forward: prompt passes an
 other methods always run sequentially."""
 
 
+def merge_choice(no_merge: bool = False, merge_bidir: bool = False) -> bool | str:
+    """The ``merge`` of :func:`bitune.loading.load_bitune` from the ``--no-merge`` / ``--merge-bidir`` flags, a runtime
+    choice like ``PROMPT_PASSES`` (never saved): ``"both"`` (the bidir weights merged too), ``False`` or ``True``."""
+    if merge_bidir:
+        return "both"
+    return not no_merge
+
+
 @dataclass
 class BituneConfig:
     """How a pretrained causal LM is turned into a Bitune model: what a checkpoint saves.
@@ -83,10 +99,11 @@ class BituneConfig:
     list of module names."""
     theta_init: float = 0.01
     """Scale of the mixing parameters theta, > 0: the mixing ratio is a = |theta| / (theta_init + |theta|)."""
-    init_share: float = 0.5
-    """Bidirectional share a of every layer's keys and values at step 0, in (0, 1): 0.5 is the paper's start
-    (theta = theta_init); a smaller share (e.g. 0.1: theta = theta_init * a / (1 - a)) starts the model near its
-    causal self, an extension beyond the paper for short runs."""
+    init_share: float = 0.1
+    """Bidirectional share a of every layer's keys and values at step 0, in (0, 1), with theta = theta_init * a /
+    (1 - a): the default 0.1 starts the model near its causal self, so a short run does not begin by feeding the
+    decoder mostly untrained bidirectional features; the paper starts at 0.5 (theta = theta_init), which its
+    configs pin. A share so small that theta rounds to 0 in float32 (where |theta| gets no gradient) is refused."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself; None: not
     recorded (the base must then be given when loading)."""
@@ -114,7 +131,13 @@ class BituneConfig:
             raise ValueError(f"BituneConfig.theta_init must be > 0, got {self.theta_init!r}")
         if not 0.0 < self.init_share < 1.0:
             raise ValueError(f"BituneConfig.init_share must be in (0, 1) (the bidirectional share at step 0; the "
-                             f"paper's 0.5), got {self.init_share!r}")
+                             f"paper's {PAPER_INIT_SHARE}), got {self.init_share!r}")
+        start = self.theta_init * self.init_share / (1.0 - self.init_share)  # the mixer's theta at step 0
+        if start < FLOAT32_TINY:
+            raise ValueError(f"BituneConfig.init_share={self.init_share!r} is too small: theta starts at theta_init "
+                             f"* a / (1 - a) = {start:.3g}, which float32 cannot hold as a normal number (below "
+                             f"{FLOAT32_TINY:.3g}; at 0 |theta| gets no gradient and the share stays 0); use at least "
+                             f"{FLOAT32_TINY / self.theta_init:.1g} with theta_init={self.theta_init:g}")
         if (self.target_modules != "all-linear" if isinstance(self.target_modules, str)
                 else not isinstance(self.target_modules, (list, tuple))
                 or not all(isinstance(m, str) and m for m in self.target_modules)):
@@ -202,8 +225,10 @@ def _check_choice(name: str, value: Any, allowed: dict[str, str]) -> None:
 def read_config(directory: str | os.PathLike) -> BituneConfig:
     """The :class:`BituneConfig` a checkpoint folder records.
 
-    Older checkpoints still load: one written before templates were recorded was trained with ``paper``; one
-    written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a runtime choice now).
+    Older checkpoints still load: a field they do not record takes :data:`RECORDED_DEFAULTS` (one written before
+    templates were recorded was trained with ``paper``, one written before ``init_share`` was recorded started at
+    the paper's 0.5); one written while ``prompt_passes`` was a saved setting carries it, and it is ignored (a
+    runtime choice now).
     """
     directory = Path(check_named(directory, "the checkpoint folder"))
     path = directory / CONFIG_FILE
@@ -221,7 +246,7 @@ def read_config(directory: str | os.PathLike) -> BituneConfig:
     try:
         data = json.loads(read_text(path, "Bitune config"))
         if isinstance(data, dict):
-            data.setdefault("template", "paper")
+            data = {**RECORDED_DEFAULTS, **data}
             data.pop("prompt_passes", None)
         return BituneConfig.from_dict(data)
     except BituneError:
@@ -230,5 +255,5 @@ def read_config(directory: str | os.PathLike) -> BituneConfig:
         raise ValueError(f"{path} is not a valid Bitune config: {e}") from e
 
 
-__all__ = ["BituneConfig", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES", "PROMPT_PASSES", "CONFIG_FILE",
-           "read_config"]
+__all__ = ["BituneConfig", "PAPER_INIT_SHARE", "RECORDED_DEFAULTS", "VARIANTS", "METHODS", "PASS_MASKS", "TEMPLATES",
+           "PROMPT_PASSES", "CONFIG_FILE", "read_config"]

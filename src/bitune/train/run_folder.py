@@ -20,12 +20,13 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ..config import RECORDED_DEFAULTS
 from ..errors import BituneError
 from ..files import read_text, write_text_atomic
 from .settings import upgrade
@@ -43,6 +44,9 @@ LOCK_FILE = "run.lock"
 RESUMABLE_KEYS = ("output_dir", "steps", "epochs", "save_every", "save_total_limit", "log_every", "eval_every",
                   "num_workers", "prompt_passes")
 """Settings a resumed run may change."""
+START_ONLY_KEYS = ("bitune.init_share",)
+"""Settings that only decide a fresh run's start (the checkpoint replaces what they set): on ``--resume`` one the
+user did not name takes the saved run's value, so a run saved under an older default continues as it began."""
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -137,6 +141,11 @@ def check_inputs_outside(out: Path, inputs: dict[str, str]) -> None:
 
 
 def _check_same_settings(saved_path: Path, settings: Any) -> None:
+    """Refuse a resume whose settings differ from the saved run's, naming each differing key (dotted inside a
+    section: ``bitune.init_share``). A key the saved run does not record takes what it was made with
+    (:data:`~bitune.config.RECORDED_DEFAULTS` for the ``bitune`` section; otherwise it is not compared). A
+    setting that only decides the fresh start (:data:`START_ONLY_KEYS`) and that this run's configs and
+    ``--set`` did not name takes the saved run's value (``settings.given``: the dotted keys they named)."""
     if not saved_path.exists():
         return
     try:
@@ -146,13 +155,30 @@ def _check_same_settings(saved_path: Path, settings: Any) -> None:
                           "resume") from e
     if not isinstance(saved, dict):
         raise BituneError(f"{saved_path} is corrupt (not a mapping of settings); cannot check the run to resume")
-    saved = upgrade(saved)  # an older run's bitune.prompt_passes is a runtime choice, like any resumable key
-    now = settings.to_dict()
-    changed = sorted(k for k in now if k not in RESUMABLE_KEYS
-                     and k in saved and saved[k] != now[k])  # a key an older version did not write: its default
+    saved = _flat(upgrade(saved))  # an older run's bitune.prompt_passes is a runtime choice, like any resumable key
+    saved = {**{f"bitune.{k}": v for k, v in RECORDED_DEFAULTS.items()}, **saved}
+    given = getattr(settings, "given", None)  # None: every setting counts as named
+    changed = []
+    for key, value in _flat(settings.to_dict()).items():
+        if key in RESUMABLE_KEYS or key not in saved or saved[key] == value:  # unrecorded: its default
+            continue
+        if key in START_ONLY_KEYS and given is not None and key not in given:
+            section, _, name = key.partition(".")
+            setattr(settings, section, replace(getattr(settings, section), **{name: saved[key]}))
+            continue
+        changed.append(f"{key} (saved {saved[key]!r}, now {value!r})")
     if changed:
-        raise BituneError(f"--resume: settings {changed} differ from the saved run in {saved_path}; "
+        raise BituneError(f"--resume: settings {', '.join(changed)} differ from the saved run in {saved_path}; "
                           "resume with the same settings or choose another output_dir")
+
+
+def _flat(data: dict[str, Any]) -> dict[str, Any]:
+    """Settings with the ``bitune`` section's keys dotted (``bitune.init_share``), the rest as they are."""
+    section = data.get("bitune")
+    out = {k: v for k, v in data.items() if k != "bitune" or not isinstance(section, dict)}
+    if isinstance(section, dict):
+        out.update({f"bitune.{k}": v for k, v in section.items()})
+    return out
 
 
 @dataclass

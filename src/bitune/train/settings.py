@@ -256,7 +256,11 @@ def load_settings(path: str | Path | list[str | Path] | None = None,
         if value is not None and not isinstance(value, str) and _is_text_setting(key.strip()):
             value = raw  # a text setting takes the text as written: output_dir={variant}, model=007
         _set_dotted(data, key.strip(), value)
-    return TrainSettings.from_dict(data)
+    settings = TrainSettings.from_dict(data)
+    # the keys the files and --set named (dotted in a section): what --resume may not take from the saved run
+    settings.given = frozenset({k for k, v in data.items() if not isinstance(v, dict)}
+                               | {f"{k}.{n}" for k, v in data.items() if isinstance(v, dict) for n in v})
+    return settings
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
