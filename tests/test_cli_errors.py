@@ -40,6 +40,32 @@ def test_help_and_settings_validation_import_no_model_stack(argv):
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
 
 
+def test_only_the_command_line_imports_the_command_modules():
+    """The library and the benchmarks sit below the verbs: none imports ``bitune.commands`` (a helper two floors
+    need lives on the lower one)."""
+    import ast
+
+    import bitune
+
+    package = Path(bitune.__file__).parent
+    upward = []
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).parts
+        if parts[0] in ("commands", "cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = (".".join(("bitune", *parts[:-1])[:len(parts) - node.level + 1]) if node.level else "")
+                name = ".".join(p for p in (base, node.module or "") if p)
+                names = [name] + [f"{name}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            upward += [f"{path.relative_to(package)}: {n}" for n in names if n.startswith("bitune.commands")]
+    assert not upward
+
+
 def test_help_shows_values_and_each_default_once(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

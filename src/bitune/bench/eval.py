@@ -21,7 +21,7 @@ import os
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from ..config import BituneConfig
+from ..config import BituneConfig, merge_choice
 from ..eval.lm import BituneLM
 from ..eval.tasks import make_task
 from ..hub import DEFAULT_MODEL
@@ -115,11 +115,10 @@ def token_floors(lm: BituneLM, requests) -> dict:
 
 def bench_eval(args) -> dict:
     """``bitune bench eval``: check the counts, time, print the record as JSON; return it."""
-    from ..commands.options import merge_mode
     for flag in ("limit", "batch_size", "rounds"):
         if getattr(args, flag) < 1:
             raise ValueError(f"bench eval needs --{flag.replace('_', '-')} >= 1")
     result = time_loglikelihood(args.model, args.task, args.limit, args.batch_size, args.device, args.rounds,
-                                args.checkpoint, merge_mode(args))
+                                args.checkpoint, merge_choice(args.no_merge, args.merge_bidir))
     print(json.dumps(result, indent=2))
     return result

@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import NoReturn
 
-from ..config import PROMPT_PASSES
+from ..config import PROMPT_PASSES, merge_choice
 from ..errors import BituneError
 
 
@@ -94,10 +94,8 @@ def add_merge_option(parser: argparse.ArgumentParser) -> None:
 
 
 def merge_mode(args: argparse.Namespace) -> bool | str:
-    """``load_bitune``'s ``merge`` from ``--no-merge`` / ``--merge-bidir``: False, ``"both"`` or True."""
-    if getattr(args, "merge_bidir", False):
-        return "both"
-    return not args.no_merge
+    """``load_bitune``'s ``merge`` from a verb's ``--no-merge`` / ``--merge-bidir`` (:func:`bitune.config.merge_choice`)."""
+    return merge_choice(args.no_merge, getattr(args, "merge_bidir", False))
 
 
 def sampling_options(args: argparse.Namespace) -> dict:
