@@ -108,6 +108,54 @@ def test_group_norms_are_logged_and_clip_all_scales_everything(tmp_path):
         assert r["grad_norm_mixer"] > 0 and r["grad_norm_adapters"] > 0
 
 
+@pytest.mark.parametrize("clip,limit", [("all", 1e-3), ("adapters", 1e-3), ("all", 0.0), ("all", 1e6)])
+def test_logged_group_norms_before_and_after_clipping_are_the_gradients(tmp_path, clip, limit):
+    """The norms per group (causal adapters, bidirectional adapters, mixer) before and after clipping, and the
+    clip factor, are those of the gradients the optimizer steps with (measured here on the tensors)."""
+    trainer, settings = make_trainer(tmp_path, clip=clip, max_grad_norm=limit)
+    trainer.make_optimizer()
+    trainer.batch_loss(trainer.model, next(iter(trainer.train_loader()))).backward()
+    params = trainer.model.trainable_parameters()
+
+    def measured() -> dict[str, float]:
+        groups: dict[str, list[float]] = {}
+        for k, p in params.items():
+            groups.setdefault(k.partition(":")[0], []).append(float(p.grad.double().norm()) ** 2)
+        return {g: sum(v) ** 0.5 for g, v in groups.items()}
+
+    before = measured()
+    norms = trainer.clip_gradients()
+    after = measured()
+    assert set(before) == {"causal", "bidir", "mixer"}
+    for g in before:
+        assert norms[f"grad_norm_{g}"] == pytest.approx(before[g], rel=1e-5)
+        assert norms[f"grad_norm_{g}_clipped"] == pytest.approx(after[g], rel=1e-5)
+    assert norms["grad_norm"] ** 2 == pytest.approx(sum(v ** 2 for v in before.values()), rel=1e-5)
+    assert norms["grad_norm_adapters"] ** 2 == pytest.approx(before["causal"] ** 2 + before["bidir"] ** 2, rel=1e-5)
+    factor = norms["clip_factor"]
+    clipped = ("causal", "bidir", "mixer") if clip == "all" else ("causal", "bidir")
+    if limit in (0.0, 1e6):  # no clipping, or a limit far above the norm: nothing scaled
+        assert factor == 1.0 and all(after[g] == pytest.approx(before[g], rel=1e-6) for g in before)
+    else:
+        scaled = sum(before[g] ** 2 for g in clipped) ** 0.5
+        assert factor == pytest.approx(limit / scaled, rel=1e-4) and factor < 1
+        for g in before:
+            expected = factor * before[g] if g in clipped else before[g]
+            assert norms[f"grad_norm_{g}_clipped"] == pytest.approx(expected, rel=1e-4)
+        assert sum(after[g] ** 2 for g in clipped) ** 0.5 == pytest.approx(limit, rel=1e-4)
+
+
+def test_every_logged_step_records_the_norms_per_group_and_the_clip_factor(tmp_path):
+    trainer, settings = make_trainer(tmp_path, steps=2, max_grad_norm=1e-3)
+    run_training(trainer, settings)
+    logged = [r for r in read_log(tmp_path / "run") if "loss" in r]
+    assert len(logged) == 2
+    for r in logged:
+        for g in ("causal", "bidir", "mixer"):
+            assert r[f"grad_norm_{g}_clipped"] == pytest.approx(r["clip_factor"] * r[f"grad_norm_{g}"], rel=1e-4)
+        assert 0 < r["clip_factor"] < 1
+
+
 def _clip_once(tmp_path, clip: str) -> tuple[dict, dict]:
     """Gradients of one backward, before and after the trainer's clipping."""
     trainer, settings = make_trainer(tmp_path / clip, clip=clip, max_grad_norm=1e-3)

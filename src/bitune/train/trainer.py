@@ -195,20 +195,35 @@ class BituneTrainer:
 
     def clip_gradients(self) -> dict[str, float]:
         """Clip as ``clip`` says (``all`` trainable parameters together, or only the ``adapters``) to
-        ``max_grad_norm`` (0: no clipping); return the pre-clip norms: ``grad_norm`` (all),
-        ``grad_norm_adapters``, ``grad_norm_mixer``."""
-        params = self.model.trainable_parameters()
-        groups = {"adapters": [p for k, p in params.items() if not k.startswith("mixer:")],
-                  "mixer": [p for k, p in params.items() if k.startswith("mixer:")]}
-        norms = {f"grad_norm_{name}": _norm(ps) for name, ps in groups.items() if ps}
-        limit = self.settings.max_grad_norm
-        if limit > 0 and self.settings.clip == "all":
-            total = sharding.clip(self.model.parameters(), limit)
-        else:
-            total = _norm(groups["adapters"] + groups["mixer"])
-            if limit > 0:
-                sharding.clip(groups["adapters"], limit)
-        return {"grad_norm": total, **norms}
+        ``max_grad_norm`` (0: no clipping) and return the gradient norms the log records.
+
+        Returns:
+            ``grad_norm``: the global norm of every trainable gradient before clipping; per group present
+                (``causal`` and ``bidir`` adapters, ``mixer``) its norm before clipping ``grad_norm_<group>`` and
+                after ``grad_norm_<group>_clipped``; ``grad_norm_adapters``: both adapter sets together, before;
+                ``clip_factor``: what the clipped gradients were multiplied by (torch's ``max_grad_norm / (norm +
+                1e-6)`` capped at 1; 1 without clipping). A clipped group's after-norm is ``clip_factor`` times
+                its before-norm; an unclipped one's (the mixer under ``clip: adapters``) is its before-norm.
+        """
+        groups: dict[str, list[torch.Tensor]] = {}
+        for key, p in self.model.trainable_parameters().items():  # keys "causal:...", "bidir:...", "mixer:..."
+            groups.setdefault(key.partition(":")[0], []).append(p)
+        adapters = [p for name in ("causal", "bidir") for p in groups.get(name, [])]
+        before = {name: _norm(ps) for name, ps in groups.items()}
+        everything = [p for ps in groups.values() for p in ps]
+        limit, factor = self.settings.max_grad_norm, 1.0
+        clipped = everything if self.settings.clip == "all" else adapters
+        total = _norm(everything)
+        if limit > 0 and clipped:
+            norm = sharding.clip(clipped, limit)  # the clipped parameters' norm before clipping
+            factor = min(1.0, limit / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_ scales
+        norms = {"grad_norm": total, "clip_factor": factor}
+        if adapters:
+            norms["grad_norm_adapters"] = math.hypot(before.get("causal", 0.0), before.get("bidir", 0.0))
+        for name, ps in groups.items():
+            norms[f"grad_norm_{name}"] = before[name]
+            norms[f"grad_norm_{name}_clipped"] = _norm(ps)
+        return norms
 
     def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
         """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
@@ -332,7 +347,7 @@ class BituneTrainer:
 
     def _step(self, group: list[dict[str, torch.Tensor]]) -> tuple[dict[str, float], float]:
         """One optimizer step over the micro-batches ``group`` (gradients synced across processes on the last
-        one); returns the pre-clip gradient norms and the learning rate the step used."""
+        one); returns the gradient norms (:meth:`clip_gradients`) and the learning rate the step used."""
         model, acc = self.wrapped, self.accelerator
         model.train()
         self._batches.append(batch_digest(group))
