@@ -286,6 +286,16 @@ def test_an_export_carries_the_card_of_its_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "ckpt", "export"]
 
 
+def test_bitune_export_keeps_the_training_section_of_the_checkpoint_card(tmp_path):
+    from bitune.cli import main
+
+    ckpt, model = save_checkpoint(tmp_path)
+    write(ckpt, model.config, Training(settings={"lr": 0.001, "steps": 4}, step=4))  # what a training run's save writes
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(tmp_path / "export")]) == 0
+    _, text = card_of(tmp_path / "export" / "bitune")
+    assert "## Training" in text and "Trained with `bitune train`, saved at step 4" in text and "lr: 0.001" in text
+
+
 def test_a_merged_export_says_first_that_alone_it_is_not_the_trained_model(tmp_path):
     """transformers users load the export's top folder: its card says what it is before anything else, its config
     names no stale source folder, a re-export rewrites the card, and a user's own README is never written over."""

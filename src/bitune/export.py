@@ -13,11 +13,12 @@ import torch
 from . import checkpoint
 from .errors import BituneError
 from .files import apply_umask, replace_dir, write_text_atomic
-from .modelcard import CARD_FILE, render_export
+from .modelcard import CARD_FILE, Training, render_export
 
 
 @torch.no_grad()
-def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tuple[str, ...] = ()) -> Path:
+def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tuple[str, ...] = (),
+                  training: Training | None = None) -> Path:
     """Write the decode model of a GPU fleet: the causal weights merged into a standard transformers model folder
     (``config.json`` + ``model.safetensors``, no adapter layers: ``AutoModelForCausalLM.from_pretrained`` loads
     it, and its ``generate`` continues any Bitune prefill of this model with the same tokens), plus ``bitune/``,
@@ -33,6 +34,8 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
         tokenizer: also saved into the folder, when given (default None).
         keep: names of entries in an existing ``directory`` that the export did not write (a user's README.md):
             kept through the replacement (:func:`bitune.files.replace_dir`). Default none.
+        training: the run that trained the checkpoint (:func:`bitune.modelcard.read_training` of its folder): the
+            card of ``bitune/`` keeps its training section. Default none.
 
     Returns:
         The folder, as a ``Path``.
@@ -57,7 +60,8 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
                 tokenizer.save_pretrained(tmp)
             if CARD_FILE not in keep:  # a user's own README.md is kept instead (said by the caller)
                 write_text_atomic(tmp / CARD_FILE, render_export(model.config))
-            checkpoint.save(model, tmp / "bitune", destination=directory / "bitune")  # its card shows where
+            checkpoint.save(model, tmp / "bitune", training=training,
+                            destination=directory / "bitune")  # its card shows where
             apply_umask(tmp)
             replace_dir(tmp, directory, keep)
         except BaseException:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import BituneError
 from ..files import check_named, check_output_dir
 from ..hub import CHECKPOINT_CONFIG as CONFIG_FILE
-from ..modelcard import CARD_FILE, is_ours
+from ..modelcard import CARD_FILE, is_ours, read_training
 from .options import HelpFormatter
 
 HELP = "export a checkpoint's causal weights merged, as a plain transformers model folder"
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_bitune(checkpoint=args.checkpoint, base=args.base, device="cpu")
     if model.config.variant == "pretrained":
         raise BituneError(f"{args.checkpoint} is a 'pretrained' checkpoint: the base model is its own export")
-    export_merged(model, out, tokenizer, keep=kept)
+    export_merged(model, out, tokenizer, keep=kept, training=read_training(args.checkpoint))  # the card's training
     if kept:
         print(f"bitune export: kept {', '.join(kept)} in {out} (not written by an export)"
               + ("; the export's card, which says the folder alone is not the trained model, was not written over "
