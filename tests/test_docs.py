@@ -60,6 +60,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 BIN = ROOT / ".venv" / "bin" if (ROOT / ".venv" / "bin" / "python").exists() else Path(sys.executable).parent
 PYTHON = BIN / "python"
 BLOCK_TIMEOUT = {"tiny": 300, "integration": 1800}
@@ -141,6 +142,34 @@ def test_mkdocs_build_strict(tmp_path):
     proc = subprocess.run([str(PYTHON), "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, capture_output=True, text=True, env=_mkdocs_env(), timeout=900)
     assert proc.returncode == 0, f"mkdocs build --strict failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}"
+    site = tmp_path / "site"
+    assert not (site / "hooks.py").exists()  # the build's own code is no page or file of the site
+    assert "generate_texts" in (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+
+
+def test_what_the_getting_started_page_makes_in_a_clone_is_ignored_by_git():
+    """A newcomer following the pages in a clone keeps a clean ``git status``: the built site, the example
+    checkpoint and the chat file are ignored."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    made = ["site/index.html", "my-bitune/README.md", "my_chats.jsonl"]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", *made], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(proc.stdout.split()) == sorted(made)
+
+
+def test_every_page_opens_with_a_summary():
+    """A reader learns what a page is for before its first section: a paragraph between the title and the first
+    ``##`` heading (not only a code block or a table)."""
+    missing = []
+    for page in sorted(DOCS.rglob("*.md")):
+        if page.relative_to(DOCS).parts[0] == "assets":
+            continue
+        text = re.sub(r"<!--.*?-->", "", page.read_text(encoding="utf-8"), flags=re.S).lstrip()
+        head = re.match(r"# [^\n]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+        body = re.sub(r"```.*?```", "", head.group(1), flags=re.S) if head else ""
+        if not [p for p in body.split("\n\n") if p.strip() and not p.strip().startswith(("|", "!["))]:
+            missing.append(str(page.relative_to(ROOT)))
+    assert not missing, f"pages without an opening summary: {missing}"
 
 
 # --- doc blocks ---------------------------------------------------------------------------------------------
@@ -504,6 +533,17 @@ def doc_runner(tmp_path_factory):
 def test_doc_block(block: Block, doc_runner: DocRunner):
     """A README/docs block runs with the built-in models as tiny random ones."""
     doc_runner.run(block, "tiny")
+
+
+@pytest.mark.slow
+def test_getting_started_python_writes_a_card_that_names_its_base_model(doc_runner: DocRunner):
+    """The "From Python" example's checkpoint card gives the base model and its licence, not placeholders."""
+    path = "docs/getting-started.md"
+    block = next(b for b in BLOCKS[path] if "save_pretrained" in b.code)
+    doc_runner.run(block, "tiny")
+    card = (doc_runner.file_run(path, "tiny").workdir / "my-bitune" / "README.md").read_text(encoding="utf-8")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "license: apache-2.0" in card
+    assert "BASE_MODEL" not in card and "license: other" not in card
 
 
 @pytest.mark.integration
