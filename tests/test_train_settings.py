@@ -184,6 +184,8 @@ def test_configs_list_names_and_copy_edits_a_packaged_config(tmp_path, monkeypat
     assert main(["configs", "copy", "methods/bitune", "."]) == 0 and (tmp_path / "bitune.yaml").is_file()
     assert main(["configs", "copy", "methods/bitun", "x.yaml"]) == 2
     assert "did you mean methods/bitune" in capsys.readouterr().err and not (tmp_path / "x.yaml").exists()
+    assert main(["configs", "copy", "methods/lora", "newdir/"]) == 2  # a folder that is not there: no file 'newdir'
+    assert "no such folder" in capsys.readouterr().err and not (tmp_path / "newdir").exists()
 
 
 def test_a_built_wheel_ships_the_configs_and_runs_the_documented_commands_from_an_empty_folder(tmp_path):

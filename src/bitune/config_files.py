@@ -109,6 +109,8 @@ def copy_config(name: str, dest: str | Path) -> Path:
         hint = f" (did you mean {close}?)" if close else ""
         raise BituneError(f"no packaged config {name!r}{hint}; list them with 'bitune configs list'")
     target = Path(check_named(dest, "DEST")).expanduser()
+    if str(dest).endswith(("/", "\\")) and not target.is_dir():
+        raise BituneError(f"DEST {dest}: no such folder")
     if target.is_dir():
         target = target / source.name
     if target.exists() or target.is_symlink():
