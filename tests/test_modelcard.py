@@ -353,3 +353,21 @@ def test_push_to_hub_uploads_a_card_for_the_repository_with_its_eval(tmp_path, m
     (final / "README.md").write_bytes(USER_README)  # a user's own card goes up as it is
     push_to_hub(final, "me/my-bitune")
     assert calls["files"]["README.md"] == USER_README
+
+
+# ------------------------------------------------------------------------------------------ the package
+def test_the_card_is_rendered_apart_from_files_and_the_hub():
+    """One job per module: rendering reads and writes no file and knows no Hub client (so a card can be rendered
+    anywhere); every public name still imports from ``bitune.modelcard``."""
+    import ast
+    import importlib
+
+    import bitune.modelcard as modelcard
+
+    text = Path(importlib.import_module("bitune.modelcard.text").__file__).read_text(encoding="utf-8")
+    imported = {n.module for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"files", "hub", "..files"} and "HfApi" not in text and "write_text" not in text
+    for name in ("CARD_FILE", "MARKER", "EXPORT_MARKER", "UPSTREAM", "Training", "Evaluation", "Score", "render",
+                 "render_export", "find_evaluation", "is_ours", "write", "write_card", "refresh_evaluation",
+                 "push_to_hub", "hub_base", "tags_for", "shown_path"):
+        assert name in modelcard.__all__ and getattr(modelcard, name) is not None
