@@ -11,8 +11,10 @@ from bitune.stats import (
     bootstrap_mean,
     holm,
     mcnemar_exact,
+    pooled_seed_aware_test,
     pooled_sign_flip_test,
     pooled_two_level_bootstrap,
+    seed_aware_test,
     sign_flip_test,
     two_level_bootstrap,
 )
@@ -169,3 +171,78 @@ def test_pooled_sign_flip_of_one_task_is_the_sign_flip_test():
     assert pooled_sign_flip_test([np.zeros(5), np.zeros(9)], resamples=200) == 1.0  # no difference at all
     # a clear gain on a small task is not drowned by a large task without any: weighted by task, not question
     assert pooled_sign_flip_test([np.ones(30), np.zeros(2000)], resamples=2000) < 0.01
+
+
+def _coverage_script():
+    """scripts/stats_coverage.py, the simulation the evaluation guide's coverage table comes from."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "stats_coverage.py"
+    spec = importlib.util.spec_from_file_location("stats_coverage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _seeds_disagree(n: int = 1000) -> np.ndarray:
+    """(3, n): seed pairs +10, -6 and +11 points, each the same on every question it moves (the questions agree)."""
+    diff = np.zeros((3, n))
+    diff[0, :100] = 1  # +10
+    diff[1, 100:160] = -1  # -6
+    diff[2, 160:270] = 1  # +11
+    return diff
+
+
+def test_seeds_that_disagree_while_questions_agree_do_not_resolve():
+    diff = _seeds_disagree()
+    assert sign_flip_test(diff.mean(axis=0)) < 0.001  # the question-level test alone would call it resolved
+    test = seed_aware_test(diff)
+    assert test.seed_aware and test.pairs == 3
+    assert test.p > 0.2 and test.interval.low < 0 < test.interval.high
+    assert test.interval.value == pytest.approx(0.05)
+    assert test.df == pytest.approx(2, abs=0.5)  # the seeds dominate: about the paired t over 3 seed pairs
+
+
+def test_a_consistent_effect_resolves_after_holm():
+    rng = np.random.default_rng(1)
+    base = rng.random((3, 1000)) < 0.5  # the baseline's correctness per seed
+    gain = rng.random((3, 1000)) < 0.12  # the method also gets 12% of its wrong answers right, in every seed
+    method = base | gain
+    diff = method.astype(float) - base.astype(float)
+    test = seed_aware_test(diff)
+    assert test.interval.low > 0.03 and test.p < 1e-3
+    nulls = [seed_aware_test(_seeds_disagree()).p] * 20  # a family of 21 with 20 unresolved
+    assert holm([test.p, *nulls])[0] < 0.05
+
+
+def test_one_seed_pair_is_the_question_level_t_and_says_so():
+    from scipy.stats import ttest_1samp
+
+    diff = np.r_[np.ones(30), -np.ones(10), np.zeros(60)][None, :]  # (1, 100)
+    test = seed_aware_test(diff)
+    assert not test.seed_aware and test.pairs == 1 and test.df == 99
+    assert test.p == pytest.approx(ttest_1samp(diff[0], 0.0).pvalue, rel=1e-9)
+
+
+def test_pooled_seed_aware_of_one_task_is_its_test_and_tasks_weigh_the_same():
+    diff = _seeds_disagree(200)
+    one, alone = pooled_seed_aware_test([diff]), seed_aware_test(diff)
+    assert (one.p, one.df) == pytest.approx((alone.p, alone.df)) and one.interval == alone.interval
+    both = pooled_seed_aware_test([diff, np.zeros((3, 50))])
+    assert both.interval.value == pytest.approx(diff.mean() / 2)  # each task weighs the same
+
+
+@pytest.mark.parametrize("bad", [np.zeros(5), np.zeros((0, 3)), np.zeros((2, 2, 2))])
+def test_seed_aware_test_refuses_what_is_not_a_seed_pairs_by_questions_table(bad):
+    with pytest.raises(ValueError, match="seed pairs, questions"):
+        seed_aware_test(bad)
+
+
+def test_seed_aware_interval_covers_at_three_seeds_where_question_level_does_not():
+    """Coverage at S = 3 on simulated studies whose true difference is known (scripts/stats_coverage.py, fewer
+    and smaller studies): when training seeds move the difference, the question-level interval misses the truth
+    far more often than 5%, the seed-aware one does not."""
+    result = _coverage_script().coverage(sims=200, seeds=3, questions=300, resamples=500, scenario="seeds")
+    assert result["seed-aware"] >= 0.9
+    assert result["question-level"] < 0.8

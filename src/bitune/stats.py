@@ -1,13 +1,17 @@
 """Statistics for comparing methods on the same questions (what ``bitune report`` shows): bootstrap intervals, a
-sign-flip permutation test, a t-test over seeds, the exact McNemar test and Holm's adjustment.
+sign-flip permutation test, a seed-aware t-test, the exact McNemar test and Holm's adjustment.
 
 Every method is scored on the same questions, so comparisons are **paired**: the per-question difference of two
-methods (each averaged over its seeds) is resampled over questions, which removes the between-question variance
-that an unpaired comparison of two accuracies carries. The intervals describe the uncertainty from the sample of
-questions given these trained models; the spread over training seeds is reported next to them (per-seed values)
-and tested apart (:func:`seed_t_test`: the seeds as the unit). :func:`two_level_bootstrap` folds both in:
-it resamples seed pairs, then questions within them, so its interval also covers other training seeds.
-:func:`sign_flip_test` is a permutation test over questions (the paired differences' signs flipped at random).
+methods removes the between-question variance that an unpaired comparison of two accuracies carries. Two sources
+of variation remain, and a claim about the methods (not about these trained models) must cover both: which
+questions were drawn, and which training seeds. :func:`bootstrap_mean` and :func:`sign_flip_test` resample or
+permute questions only (given these trained models). :func:`two_level_bootstrap` resamples seed pairs, then
+questions within them, but with S seed pairs its seed-level variance is (S - 1) / S of the sample's (2/3 at
+S = 3) and its percentile interval is too short at few seeds. :func:`seed_aware_test` is the test a report
+decides "resolved" by: a t-test of the mean difference whose variance is the sum of the paired t's over seed
+pairs and the question-level t's, with Satterthwaite's degrees of freedom (near S - 1 when the seeds disagree,
+near n - 1 when they agree). With one seed pair the seed part cannot be estimated: :attr:`SeedTest.seed_aware` is
+False and the test is the question-level t.
 Resampling uses a fixed seed, so a report is reproducible to the digit.
 """
 
@@ -203,6 +207,105 @@ def seed_t_test(differences: list[float]) -> float | None:
     return float(ttest_1samp(values, 0.0).pvalue)
 
 
+@dataclass(frozen=True)
+class SeedTest:
+    """A paired difference tested with seeds and questions as sources of variation (:func:`seed_aware_test`)."""
+
+    interval: Interval
+    """The mean difference with its t-interval (``LEVEL``)."""
+    p: float
+    """Two-sided p-value that the expected difference (over other questions and training seeds) is zero."""
+    df: float
+    """Satterthwaite's degrees of freedom of the t."""
+    pairs: int
+    """The fewest seed pairs of a task in it (1: the seed part could not be estimated)."""
+
+    @property
+    def seed_aware(self) -> bool:
+        """Whether the between-seed variance is in the test: 2 or more seed pairs (a t over 1 pair is undefined)."""
+        return self.pairs >= 2
+
+
+def _variance(diff: np.ndarray) -> tuple[float, float]:
+    """Variance of the mean of a (S, n) difference table and its Satterthwaite degrees of freedom.
+
+    The sum of the seed part, the variance of the S per-seed-pair means over S (what a paired t over seed pairs
+    uses), and the question part, the variance of the n seed-averaged per-question differences over n (what a
+    question-level t uses). Each also holds the per-question noise between seeds once, so the sum counts it twice:
+    conservative (its coverage is measured in docs/guides/evaluation.md). With S = 1 only the question part exists
+    (n - 1 degrees of freedom).
+    """
+    S, n = diff.shape
+    b = float(diff.mean(axis=0).var(ddof=1)) / n if n > 1 else 0.0  # question part
+    if S < 2:
+        return b, float(max(n - 1, 1))
+    a = float(diff.mean(axis=1).var(ddof=1)) / S  # seed part
+    total = a + b
+    if total == 0.0:
+        return 0.0, float(S - 1)
+    return total, total ** 2 / (a ** 2 / (S - 1) + (b ** 2 / (n - 1) if n > 1 else 0.0))
+
+
+def _t_test(mean: float, variance: float, df: float, pairs: int, level: float) -> SeedTest:
+    from scipy.stats import t
+
+    se = math.sqrt(max(variance, 0.0))
+    if se == 0.0:  # every difference equal: no spread to test against
+        p = 1.0 if mean == 0 else 0.0
+        return SeedTest(Interval(mean, mean, mean), p, df, pairs)
+    half = float(t.ppf((1.0 + level) / 2.0, df)) * se
+    return SeedTest(Interval(mean, mean - half, mean + half), float(2.0 * t.sf(abs(mean) / se, df)), df, pairs)
+
+
+def seed_aware_test(differences: np.ndarray, level: float = LEVEL) -> SeedTest:
+    """Mean paired difference with a t-test and interval covering other questions and other training seeds.
+
+    The variance of the mean is the paired t's over seed pairs (the per-seed-pair means' variance over S) plus
+    the question-level t's (the seed-averaged per-question differences' variance over n), and the t has
+    Satterthwaite's degrees of freedom: so it is about the paired t over seed pairs when the seeds disagree and
+    the question-level t when they agree; its variance is never below either's. With one seed pair the seed part
+    is not estimable and the result is the question-level t (:attr:`SeedTest.seed_aware` False).
+
+    Args:
+        differences: (S, n) per seed pair and question, the method's correctness minus the baseline's.
+        level: confidence level of the interval. Default ``LEVEL`` (0.95).
+
+    Returns:
+        The test (:class:`SeedTest`).
+
+    Raises:
+        ValueError: ``differences`` is not a non-empty 2-D array.
+    """
+    diff = np.asarray(differences, dtype=np.float64)
+    if diff.ndim != 2 or diff.size == 0:
+        raise ValueError(f"seed_aware_test: need (seed pairs, questions) differences, got shape {diff.shape}")
+    variance, df = _variance(diff)
+    return _t_test(float(diff.mean()), variance, df, diff.shape[0], level)
+
+
+def pooled_seed_aware_test(differences: list[np.ndarray], level: float = LEVEL) -> SeedTest:
+    """:func:`seed_aware_test` of the task-averaged mean difference: each task's variance as there, their sum
+    over tasks squared, and Satterthwaite's degrees of freedom over the tasks.
+
+    Args:
+        differences: per task, a (S_t, n_t) array (seed pairs x questions) of differences.
+        level: confidence level of the interval. Default ``LEVEL`` (0.95).
+
+    Raises:
+        ValueError: no tasks, or a task's differences are not a non-empty 2-D array.
+    """
+    diffs = [np.asarray(d, dtype=np.float64) for d in differences]
+    if not diffs or any(d.ndim != 2 or d.size == 0 for d in diffs):
+        raise ValueError("pooled_seed_aware_test: need one (seed pairs, questions) array per task")
+    parts = [_variance(d) for d in diffs]
+    k = len(diffs)
+    variance = sum(v for v, _ in parts) / k ** 2
+    spread = sum((v / k ** 2) ** 2 / df for v, df in parts)
+    df = variance ** 2 / spread if spread > 0 else min(df for _, df in parts)
+    mean = float(np.mean([d.mean() for d in diffs]))
+    return _t_test(mean, variance, df, min(d.shape[0] for d in diffs), level)
+
+
 def pooled_two_level_bootstrap(differences: list[np.ndarray], resamples: int = BOOTSTRAP, level: float = LEVEL,
                                 seed: int = SEED) -> Interval:
     """The task-averaged mean paired difference with a two-level percentile bootstrap within each task.
@@ -289,5 +392,6 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
-__all__ = ["Interval", "bootstrap_mean", "two_level_bootstrap", "sign_flip_test", "mcnemar_exact", "seed_t_test",
-           "pooled_two_level_bootstrap", "pooled_sign_flip_test", "holm", "BOOTSTRAP", "LEVEL", "SEED"]
+__all__ = ["Interval", "SeedTest", "bootstrap_mean", "two_level_bootstrap", "sign_flip_test", "mcnemar_exact",
+           "seed_t_test", "seed_aware_test", "pooled_two_level_bootstrap", "pooled_sign_flip_test",
+           "pooled_seed_aware_test", "holm", "BOOTSTRAP", "LEVEL", "SEED"]

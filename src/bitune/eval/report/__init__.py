@@ -12,18 +12,21 @@ statistics.
    question, the method's correctness averaged over seeds minus the baseline's (over the same seeds when the
    baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
    the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
-   With 2 or more seed pairs, a t-test of the per-seed differences (the seeds as the unit: training
-   randomness), a two-level bootstrap interval (seed pairs, then questions) and a sign-flip permutation p-value over
-   questions. The paper's ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``,
-   and ``bitune`` with the study's fair baselines (``report.yaml``: e.g. LoRA at its parameter count or its
-   compute; default: every other method). Every comparison's sign-flip p-value is adjusted by Holm's method over
-   the family of all comparisons the report shows; a comparison that cannot be made (two trained methods with no
-   seed in common) is named in the report.
+   Beside it a two-level bootstrap interval (seed pairs, then questions; short at few seeds) and the seed-aware
+   t-test and interval (:func:`bitune.stats.seed_aware_test`: the variance of a paired t over seed pairs plus a
+   question-level t's, Satterthwaite's degrees of freedom), which covers other training seeds as well as other
+   questions; a sign-flip permutation p-value over questions is shown for these trained models. The paper's
+   ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``, and ``bitune`` with
+   the study's fair baselines (``report.yaml``: e.g. LoRA at its parameter count or its compute; default: every
+   other method). Every comparison's seed-aware p-value is adjusted by Holm's method over the family of all
+   comparisons the report shows ("resolved" means below 0.05 after it); a comparison with one seed pair falls
+   back to the question-level t and the report warns about it; a comparison that cannot be made (two trained
+   methods with no seed in common) is named in the report.
 4. **Trivial baselines** per multiple-choice task: the accuracy of always answering the k-th choice, and the best
    such k (the split's majority answer position); the accuracy table marks a method below it.
 5. **Pooled over tasks**: each comparison made on 2 or more tasks, as the mean over tasks of the per-task paired
-   differences, with a two-level interval (seed pairs, then questions, resampled within each task) and a
-   weighted sign-flip p-value (in the Holm family too).
+   differences, with a two-level interval (seed pairs, then questions, resampled within each task), the pooled
+   seed-aware test (in the Holm family too) and a weighted sign-flip p-value.
 
 Sections 2-5 need the per-question results that ``bitune eval`` stores (``samples``). Every table states the
 number of questions ``n`` and the ``--limit`` the runs were evaluated with. A figure (``report.png``: per task,
@@ -59,6 +62,7 @@ from .markdown import (
     build_markdown,
     build_summary,
     difference_rows,
+    few_seeds_warning,
     markdown_table,
     print_report,
     title_of,
@@ -86,7 +90,7 @@ __all__ = [
     "TASK_TITLES", "Analysis", "Cell", "Comparison", "Pooled", "Report", "ReportSettings", "Runs", "TaskRuns",
     "Trivial", "Unpaired", "aggregate", "analyse", "build_markdown", "build_summary", "check_comparable",
     "check_embed", "check_splits", "collect_runs", "compare", "comparisons", "difference_rows", "embed_report",
-    "embedded", "find_results", "find_settings", "load_records", "markdown_table", "metric_of", "planned",
-    "plot_accuracy", "pooled", "print_report", "read_settings", "results_below", "task_title", "title_of", "trivial_baselines",
-    "unpaired_text", "write_report",
+    "few_seeds_warning", "embedded", "find_results", "find_settings", "load_records", "markdown_table", "metric_of",
+    "planned", "plot_accuracy", "pooled", "print_report", "read_settings", "results_below", "task_title", "title_of",
+    "trivial_baselines", "unpaired_text", "write_report",
 ]

@@ -1,7 +1,7 @@
 """What a report shows, computed (on :mod:`bitune.stats`): the table over seeds (:func:`aggregate`), each method
 against each baseline paired question by question (:class:`Comparison`), the same pooled over tasks
-(:class:`Pooled`), the trivial baselines (:func:`trivial_baselines`) and Holm's adjustment over all comparisons
-(:func:`analyse`). Which methods are paired: every method with each ``--baselines`` entry, each of the paper's
+(:class:`Pooled`), the trivial baselines (:func:`trivial_baselines`) and Holm's adjustment of the seed-aware
+p-values (:func:`bitune.stats.seed_aware_test`: training seeds and questions) over all comparisons (:func:`analyse`). Which methods are paired: every method with each ``--baselines`` entry, each of the paper's
 ablations with ``bitune``, and ``bitune`` with the study's fair baselines (:class:`ReportSettings`)."""
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import numpy as np
 
 from ...config import VARIANTS
 from ...errors import BituneError
-from ...stats import holm, pooled_sign_flip_test, pooled_two_level_bootstrap, sign_flip_test, two_level_bootstrap
+from ...stats import (
+    SeedTest,
+    holm,
+    pooled_seed_aware_test,
+    pooled_sign_flip_test,
+    pooled_two_level_bootstrap,
+    seed_aware_test,
+    sign_flip_test,
+    two_level_bootstrap,
+)
 from .records import TASK_ORDER, TaskRuns, check_comparable, collect_runs, metric_of, task_title
 from .settings import ReportSettings
 
@@ -139,11 +148,23 @@ class Comparison:
         return np.stack([a - b for _, a, b in self.pairs])
 
     @property
+    def test(self) -> SeedTest:
+        """The seed-aware t-test and interval (seeds and questions; :func:`~bitune.stats.seed_aware_test`)."""
+        if not hasattr(self, "_test"):
+            self._test = seed_aware_test(self.pair_differences)
+        return self._test
+
+    @property
     def p(self) -> float:
-        """The sign-flip p-value over questions (what Holm's adjustment takes)."""
-        if not hasattr(self, "_p"):
-            self._p = sign_flip_test(self.diff)
-        return self._p
+        """The seed-aware p-value (what Holm's adjustment takes, and "resolved" is decided by)."""
+        return self.test.p
+
+    @property
+    def question_p(self) -> float:
+        """The sign-flip p-value over questions (given these trained models), computed once."""
+        if not hasattr(self, "_question_p"):
+            self._question_p = sign_flip_test(self.diff)
+        return self._question_p
 
     @property
     def interval(self):
@@ -263,10 +284,23 @@ class Pooled:
     parts: list[Comparison]
 
     @property
+    def test(self) -> SeedTest:
+        """The seed-aware t-test and interval of the task-averaged difference (:func:`~bitune.stats.pooled_seed_aware_test`)."""
+        if not hasattr(self, "_test"):
+            self._test = pooled_seed_aware_test([c.pair_differences for c in self.parts])
+        return self._test
+
+    @property
     def p(self) -> float:
-        if not hasattr(self, "_p"):
-            self._p = pooled_sign_flip_test([c.diff for c in self.parts])
-        return self._p
+        """The seed-aware p-value (what Holm's adjustment takes)."""
+        return self.test.p
+
+    @property
+    def question_p(self) -> float:
+        """The weighted sign-flip p-value over questions, computed once."""
+        if not hasattr(self, "_question_p"):
+            self._question_p = pooled_sign_flip_test([c.diff for c in self.parts])
+        return self._question_p
 
     @property
     def interval(self):
@@ -335,7 +369,7 @@ class Analysis:
     found: list[Comparison]
     pools: list[Pooled]
     adjusted: list[float]
-    """Holm p of ``found`` then ``pools``, in that order."""
+    """Holm p of ``found`` then ``pools``, in that order, from their seed-aware p-values."""
     unpaired: list[Unpaired] = field(default_factory=list)
     """The comparisons planned and not made: the two methods share no training seed on that task."""
     settings: ReportSettings = field(default_factory=ReportSettings)

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ...errors import BituneError
 from ...files import write_text_atomic
-from ...stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact, seed_t_test
+from ...stats import BOOTSTRAP, bootstrap_mean, mcnemar_exact
 from .analysis import Analysis, Comparison, Pooled, Report, analyse, comparisons, trivial_baselines
 from .records import TaskRuns, task_title
 from .settings import ReportSettings
@@ -27,6 +27,19 @@ def _seed_text(seed: int | None) -> str:
 
 def _points(ci) -> str:
     return f"{100 * ci.value:+.1f} [{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]"
+
+
+def _range(ci) -> str:
+    return f"[{100 * ci.low:+.1f}, {100 * ci.high:+.1f}]"
+
+
+def _pairs_text(pairs: int) -> str:
+    """A comparison's number of seed pairs, marked where the seed-aware test cannot use them (one pair)."""
+    return f"{pairs} (question-level only)" if pairs < 2 else str(pairs)
+
+
+def _seed_p_text(test) -> str:
+    return f"{test.p:.3g} (df {test.df:.0f})"
 
 
 def accuracy_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
@@ -63,26 +76,40 @@ def trivial_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
 
 
 def comparison_row(c: Comparison) -> list[str]:
-    """task, n, method, baseline, seed pairs, Δ with its question-level and two-level intervals, sign-flip p, per
-    seed: Δ, discordant counts and McNemar p; the t-test over seeds."""
-    ci, two_level = bootstrap_mean(c.diff), c.interval
+    """task, n, method, baseline, seed pairs, Δ with its question-level interval, the two-level and the seed-aware
+    intervals, the sign-flip p over questions, per seed: Δ, discordant counts and McNemar p; the seed-aware p."""
+    ci = bootstrap_mean(c.diff)
     per_seed, tests = [], []
     for seed, a, b in c.pairs:
         only_a, only_b, p = mcnemar_exact(a, b)
         per_seed.append(f"{_seed_text(seed)}: {100 * (a.mean() - b.mean()):+.1f}")
         tests.append(f"{only_a}/{only_b}, p={p:.3g}")
-    t_p = seed_t_test([a.mean() - b.mean() for _, a, b in c.pairs])
-    return [c.where, str(c.n), c.method, c.baseline, str(len(c.pairs)), _points(ci), _points(two_level),
-            f"{c.p:.3g}", "; ".join(per_seed), "; ".join(tests), "-" if t_p is None else f"{t_p:.3g}"]
+    return [c.where, str(c.n), c.method, c.baseline, _pairs_text(len(c.pairs)), _points(ci), _range(c.interval),
+            _range(c.test.interval), f"{c.question_p:.3g}", "; ".join(per_seed), "; ".join(tests),
+            _seed_p_text(c.test)]
 
 
 def pooled_row(q: Pooled) -> list[str]:
-    """tasks, method, baseline, seed pairs per task, the task-averaged Δ with the per-task Δs, its two-level
-    interval, the sign-flip p."""
-    ci = q.interval
+    """tasks, method, baseline, seed pairs per task, the task-averaged Δ with the per-task Δs, its two-level and
+    seed-aware intervals, the sign-flip p over questions, the seed-aware p."""
     each = "; ".join(f"{c.where} {100 * c.diff.mean():+.1f}" for c in q.parts)
-    return [" + ".join(c.where for c in q.parts), q.method, q.baseline, "/".join(str(len(c.pairs)) for c in q.parts),
-            f"{100 * ci.value:+.1f}", each, _points(ci), f"{q.p:.3g}"]
+    pairs = "/".join(str(len(c.pairs)) for c in q.parts) + (" (question-level only)" if q.test.pairs < 2 else "")
+    return [" + ".join(c.where for c in q.parts), q.method, q.baseline, pairs, f"{100 * q.interval.value:+.1f}",
+            each, _range(q.interval), _range(q.test.interval), f"{q.question_p:.3g}", _seed_p_text(q.test)]
+
+
+def few_seeds_warning(a: Analysis) -> str | None:
+    """A plain warning naming the comparisons with one seed pair, where the seed-aware test cannot estimate the
+    between-seed variance and falls back to the question-level t; None when there are none."""
+    single = [c for c in a.found if len(c.pairs) < 2]
+    if not single:
+        return None
+    named = "; ".join(f"{c.method} vs {c.baseline} on {c.where}" for c in single)
+    return (f"**Warning: one seed pair** ({named}). The seed-aware test needs 2 or more seed pairs to estimate how "
+            "much the difference varies between training seeds (a t over one pair is undefined), so for these "
+            "the p-value and the seed-aware interval are the question-level t: they cover other questions, not "
+            "other training runs, and a difference they resolve may not hold for another seed. Train more seeds "
+            "to test the methods rather than these runs.")
 
 
 def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
@@ -94,11 +121,11 @@ def difference_rows(tasks: dict[str, TaskRuns], baselines: list[str],
 ACCURACY_HEADER = ["task", "n", "limit", "method", "seeds", "acc % [95% CI]", "per seed (%)",
                    "vs best trivial (points)"]
 TRIVIAL_HEADER = ["task", "n", "choices", "always choice k: acc %", "best trivial (majority answer position)"]
-DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI]", "two-level 95% CI",
-                     "sign-flip p", "Δ per seed",
-                     "only method / only baseline right, McNemar p (per seed)", "t-test over seeds, p", "Holm p"]
+DIFFERENCE_HEADER = ["task", "n", "method", "vs", "seed pairs", "Δ points [95% CI over questions]",
+                     "two-level 95% CI", "seed-aware 95% CI", "sign-flip p (questions)", "Δ per seed",
+                     "only method / only baseline right, McNemar p (per seed)", "seed-aware p", "Holm p"]
 POOLED_HEADER = ["tasks", "method", "vs", "seed pairs per task", "Δ points, task mean", "Δ per task",
-                 "two-level 95% CI", "sign-flip p", "Holm p"]
+                 "two-level 95% CI", "seed-aware 95% CI", "sign-flip p (questions)", "seed-aware p", "Holm p"]
 
 
 def markdown_table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
@@ -188,27 +215,34 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
             parts += ["\n## Paired differences (percentage points)\n",
                       "Per question: the method's correctness averaged over seeds minus the baseline's (over the "
                       "same seeds; an untrained baseline has one run), mean with a 95% bootstrap interval over "
-                      "questions. Per seed: the difference, the questions only the method / only the baseline "
-                      "gets right, and the exact McNemar p-value. Over seeds (2 or more): a t-test of the per-seed "
-                      "differences, the seeds as the unit (training randomness, on these questions). Two-level: "
-                      "a bootstrap that resamples seed pairs, then questions within them (covers other training "
-                      "seeds as well as other questions; with one seed pair it is the question-level interval). "
-                      "Sign-flip p: a permutation test over questions (the per-question differences' signs "
-                      f"flipped at random, {BOOTSTRAP} draws). Holm p: the sign-flip p adjusted by Holm's method "
-                      f"over the family of all {len(adjusted)} comparisons of this report (this table"
-                      f"{' and the pooled one' if pools else ''}); a comparison is resolved at 5% when it is "
-                      "below 0.05.\n",
+                      "questions (these trained models, other questions). Per seed: the difference, the questions "
+                      "only the method / only the baseline gets right, and the exact McNemar p-value. Two-level: a "
+                      "bootstrap that resamples seed pairs, then questions within them; at few seeds it "
+                      "understates the variation between seeds (its seed-level variance is (S-1)/S of the "
+                      "sample's: 2/3 at 3 seed pairs). Seed-aware: a t-test whose variance is the paired t's over "
+                      "seed pairs plus the question-level t's, with Satterthwaite's degrees of freedom (df): it "
+                      "covers other training seeds and other questions (docs/guides/evaluation.md gives its "
+                      "measured coverage). Sign-flip p: a permutation test over questions (the per-question "
+                      f"differences' signs flipped at random, {BOOTSTRAP} draws; these trained models). Holm p: "
+                      "the seed-aware p adjusted by Holm's method over the family of all "
+                      f"{len(adjusted)} comparisons of this report (this table{' and the pooled one' if pools else ''}"
+                      "); a comparison is resolved at 5% when it is below 0.05.\n",
                       markdown_table(DIFFERENCE_HEADER, [[*comparison_row(c), f"{p:.3g}"] for c, p in zip(found, adjusted)],
                                      left=5)]
         if pools:
             parts += ["\n## Pooled over tasks (percentage points)\n",
                       "A method against a baseline on every task where both ran: the mean over tasks of the "
                       "per-task paired differences (each task weighs the same). Two-level 95% interval: per "
-                      "task, seed pairs then questions are resampled, and the tasks' means averaged. Sign-flip p: "
-                      "the per-question differences' signs flipped at random, each question weighted by "
-                      "1 / (tasks x its task's questions). Holm p: over the same family as above.\n",
+                      "task, seed pairs then questions are resampled, and the tasks' means averaged. Seed-aware: "
+                      "each task's seed-aware variance, summed over tasks (divided by the tasks squared), "
+                      "Satterthwaite's df over the tasks. Sign-flip p: the per-question differences' signs "
+                      "flipped at random, each question weighted by 1 / (tasks x its task's questions). Holm p: "
+                      "the seed-aware p, over the same family as above.\n",
                       markdown_table(POOLED_HEADER, [[*pooled_row(q), f"{p:.3g}"]
                                                      for q, p in zip(pools, adjusted[len(found):])], left=4)]
+    warning = few_seeds_warning(a) if tasks else None
+    if warning:
+        parts.append(f"\n{warning}\n")
     if a.unpaired:
         parts.append(f"\n{unpaired_text(a)}\n")
     timing = timing_rows(records, a.settings)
@@ -271,12 +305,14 @@ def build_summary(a: Analysis, metric: str = "acc", gsm8k_metric: str = "exact_m
             mark = ""
             if single:  # one training run per method there: the interval does not cover training seeds
                 mark = f" (1 seed pair on {', '.join(single)})" if len(c.parts) > 1 else " (1 seed pair)"
-            table.setdefault(c.where, {})[c.baseline] = f"{_points(c.interval)}, Holm p {p:.2g}{mark}"
+            table.setdefault(c.where, {})[c.baseline] = (f"{_points(c.test.interval)} (two-level "
+                                                         f"{_range(c.interval)}), Holm p {p:.2g}{mark}")
         parts += ["\n# Bitune minus each baseline (points)\n",
-                  "Per question, paired on the same questions and seeds; 95% two-level interval (seed pairs, then "
-                  f"questions); Holm p over all {len(a.adjusted)} comparisons of the full report (resolved at 5% "
-                  "below 0.05). (1 seed pair): one training run per method, so the interval covers other questions "
-                  "but not other training seeds; read it as provisional.\n",
+                  "Per question, paired on the same questions and seeds; the seed-aware 95% interval (other "
+                  "training seeds and other questions; the two-level bootstrap's, shorter at few seeds, beside it); "
+                  f"Holm p of the seed-aware test over all {len(a.adjusted)} comparisons of the full report "
+                  "(resolved at 5% below 0.05). (1 seed pair): one training run per method, so interval and p "
+                  "are question-level only (other questions, not other training seeds); read it as provisional.\n",
                   markdown_table(["", *(f"vs {b}" for b in versus)],
                                  [[w, *(cells.get(b, "") for b in versus)] for w, cells in table.items()])]
     mine_unpaired = [u for u in a.unpaired if u.method == "bitune"]
