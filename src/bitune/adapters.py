@@ -16,6 +16,7 @@ LoRA layer computes.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,10 @@ from .recompute import recorded
 WEIGHT_SETS = ("causal", "bidir")
 
 
+class RoutingError(RuntimeError):
+    """A LoRA layer sees its input in a layout a per-row or per-position routing cannot be placed on."""
+
+
 @dataclass
 class Routing:
     """Which adapter each block of rows (``dim=0``) or positions (``dim=1``) of a forward uses.
@@ -47,7 +52,41 @@ class Routing:
 
     blocks: list[tuple[str, int]]
     dim: int = 0
+    batch: tuple[int, int] | None = None
+    """(B, T): the rows and positions of the forward's input, to place the gates of a layer that sees its tokens
+    in another layout (flattened to (B * T, d), or only the last positions of each row)."""
     _gates: dict = field(default_factory=dict, repr=False)
+
+    def fit(self, gate: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``gate`` ((rows, 1, R) or (positions, R), from :meth:`gate` or :meth:`difference_gate`) laid out to
+        multiply ``h`` (..., R), the low-rank activations of a layer's input of whatever shape it sees: (B, T, ...)
+        as the model's input, tokens flattened to (B * T, ...) (OPT's MLP, shared experts), or (B, T', ...) with the
+        last T' < T positions (a head after ``logits_to_keep``; positions only).
+
+        Raises:
+            RoutingError: a layout the gate cannot be placed on (tokens gathered per expert, say): the
+                caller runs the weight sets one forward each instead.
+        """
+        lead, R = h.shape[:-1], h.shape[-1]
+        if len(self.blocks) == 1:
+            return gate.reshape(-1, R)[0]  # one block: the same gate everywhere
+        B, T = self.batch if self.batch is not None else (None, None)
+        flat = len(lead) == 1 and B is not None and lead[0] == B * T
+        if self.dim == 0:
+            if len(lead) >= 1 and lead[0] == gate.shape[0]:
+                return gate.view(gate.shape[0], *[1] * (len(lead) - 1), R)  # (B, 1, ..., R)
+            if flat:
+                return gate.expand(B, T, R).reshape(B * T, R)
+        else:
+            N = gate.shape[0]
+            if len(lead) >= 2 and lead[1] == N and (B is None or lead[0] == B):
+                return gate.view(N, *[1] * (len(lead) - 2), R)  # (T, 1, ..., R)
+            if len(lead) == 2 and lead[1] < N and (B is None or lead[0] == B):
+                return gate[N - lead[1]:]  # the last positions (logits_to_keep)
+            if flat:
+                return gate.repeat(B, 1)  # (B * T, R)
+        raise RoutingError(f"a layer's input {tuple(h.shape[:-1])} (+ features) cannot be routed per "
+                           f"{'row' if self.dim == 0 else 'position'} for a forward of {self.batch}")
 
     @property
     def names(self) -> list[str]:
@@ -115,7 +154,7 @@ def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *a
         weight_a = torch.cat([layer.lora_A["bidir"].weight, layer.lora_A["causal"].weight])  # (2r, d_in)
         weight_b = torch.cat([layer.lora_B["bidir"].weight, layer.lora_B["causal"].weight], dim=1)  # (d_out, 2r)
         h = F.linear(x.to(weight_a.dtype), weight_a)  # (B, T, 2r); inference only: no dropout
-        return result + F.linear(h * routing.difference_gate(layer, h), weight_b).to(result.dtype)
+        return result + F.linear(h * routing.fit(routing.difference_gate(layer, h), h), weight_b).to(result.dtype)
     if len(names) == 1:
         n = names[0]
         x = x.to(layer.lora_A[n].weight.dtype)
@@ -124,7 +163,7 @@ def routed_lora_forward(layer: LoraLinear, x: torch.Tensor, routing: Routing, *a
     weight_b = torch.cat([layer.lora_B[n].weight for n in names], dim=1)  # (d_out, sets * r)
     x = layer.lora_dropout[names[0]](x.to(weight_a.dtype))  # one dropout: every set has the same p
     h = F.linear(x, weight_a)  # (B, T, sets * r)
-    return result + F.linear(h * routing.gate(layer, h), weight_b).to(result.dtype)
+    return result + F.linear(h * routing.fit(routing.gate(layer, h), h), weight_b).to(result.dtype)
 
 
 @contextmanager
@@ -157,11 +196,21 @@ def _bound(layer: LoraLinear, routing: Routing):
     return forward
 
 
+def own_linears(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that subclass ``nn.Linear`` with a forward of their own (MoE routers that
+    return a tuple of scores and indices: Llama 4, PhiMoE). PEFT's ``all-linear`` would adapt them as plain linear
+    layers and add its update to whatever they return; ``all-linear`` leaves them out."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
+
+
 def _peft_config(config: BituneConfig, model: nn.Module):
     if config.method in ("lora", "dora"):
+        exclude = own_linears(model) if config.target_modules == "all-linear" else []
         return LoraConfig(
             r=config.rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=config.target_modules, use_dora=config.method == "dora", bias="none",
+            **({"exclude_modules": exclude} if exclude else {}),
         )
     if config.target_modules == "all-linear":
         return IA3Config()  # PEFT's per-architecture defaults (attention k/v and the MLP down projection)
@@ -185,7 +234,9 @@ class WeightSets(nn.Module):
         self._tuner_layers: list[BaseTunerLayer] = []
         self.merged = False
         """Whether the causal set is merged into the base weights (inference; see :meth:`merge`)."""
-        self._bidir_merged: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = []
+        self.route_ok = True
+        """False when a layer sees its tokens in a layout routing cannot follow (:mod:`bitune.support`)."""
+        self._bidir_merged: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
         for p in model.parameters():
             p.requires_grad_(False)
         if not self.names or config.method == "full":
@@ -230,7 +281,7 @@ class WeightSets(nn.Module):
     @property
     def routable(self) -> bool:
         """Whether different weight sets can run on different rows or positions of one forward (plain LoRA)."""
-        return (self.method == "lora" and self.peft and bool(self._lora_layers)
+        return (self.method == "lora" and self.peft and bool(self._lora_layers) and self.route_ok
                 and len(self._lora_layers) == len(self._tuner_layers) and not self._bidir_merged)
 
     def can_route(self, names: list[str]) -> bool:
@@ -264,6 +315,8 @@ class WeightSets(nn.Module):
         return self._call_routed(Routing(list(segments), dim=1), kwargs)
 
     def _call_routed(self, routing: Routing, kwargs):
+        inputs = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        routing.batch = tuple(inputs.shape[:2]) if inputs is not None else None
         names = [n if n in self.names else "causal" for n in routing.names]  # a set the variant lacks: causal
         routing.blocks = [(n if n in self.names else "causal", size) for n, size in routing.blocks]
         if len(set(names)) == 1:
@@ -321,7 +374,7 @@ class WeightSets(nn.Module):
     def merged_bidir_tensors(self) -> list[torch.Tensor]:
         """The copies of base weights (and biases) with the bidir set merged that a merged DoRA or IA3 model holds
         for its bidir prompt pass (:meth:`merge`); empty otherwise. What merging adds to the model's memory."""
-        return [t for _, weight, bias in self._bidir_merged for t in (weight, bias) if t is not None]
+        return [t for _, tensors in self._bidir_merged for t in tensors.values()]
 
     @torch.no_grad()
     def merged_model(self) -> nn.Module:
@@ -338,7 +391,7 @@ class WeightSets(nn.Module):
         for key, tensor in self.base.state_dict(keep_vars=True).items():
             if id(tensor) in adapters or any(part.startswith(("lora_", "ia3_")) for part in key.split(".")):
                 continue  # PEFT's own per-layer state (DoRA magnitudes, IA3 vectors)
-            state[key.replace(".base_layer.", ".")] = tensor.detach().clone()
+            state[re.sub(r"(\.base_layer)+\.", ".", key)] = tensor.detach().clone()  # nested wrappers too
         config = copy.deepcopy(self.base.config)
         if hasattr(config, "quantization_config"):
             delattr(config, "quantization_config")
@@ -348,30 +401,31 @@ class WeightSets(nn.Module):
         return plain
 
     @staticmethod
-    def _merged_copy(layer: BaseTunerLayer, name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor | None]:
-        """The base weight (and bias) of ``layer`` with set ``name`` merged, computed by PEFT's merge on the layer
-        and then put back exactly (the original tensors are restored, not un-merged)."""
+    def _merged_copy(layer: BaseTunerLayer, name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        """The tensors of ``layer``'s base module that set ``name`` adapts, merged (computed by PEFT's own
+        merge on the layer, whatever it adapts: a linear weight and bias, or one fused 3-D expert parameter of a
+        mixture of experts), after which the original tensors are put back exactly (not un-merged)."""
         base = layer.get_base_layer()
-        weight, bias = base.weight.data.clone(), base.bias.data.clone() if base.bias is not None else None
+        names = ([layer.parameter_name] if hasattr(layer, "parameter_name")  # a wrapped 3-D expert parameter
+                 else [k for k in ("weight", "bias") if isinstance(getattr(base, k, None), torch.Tensor)])
+        before = {k: getattr(base, k).data.clone() for k in names}
         layer.merge(adapter_names=[name])
-        merged_weight = base.weight.data
-        merged_bias = base.bias.data if base.bias is not None else None
-        base.weight.data = weight
-        if bias is not None:
-            base.bias.data = bias
+        merged = {}
+        for k in names:
+            param = getattr(base, k)
+            merged[k], param.data = param.data, before[k]
         layer.merged_adapters.remove(name)
-        return base, merged_weight, merged_bias
+        return base, merged
 
     @contextmanager
     def _bidir_weights_swapped_in(self) -> Iterator[None]:
-        """Within this block the base layers hold the bidir-merged weights (DoRA, IA3 on a merged model)."""
+        """Within this block the base modules hold the bidir-merged tensors (DoRA, IA3, or layers that cannot be
+        routed, on a merged model)."""
         def swap():
-            for i, (base, weight, bias) in enumerate(self._bidir_merged):
-                held = base.weight.data, base.bias.data if bias is not None else None
-                base.weight.data = weight
-                if bias is not None:
-                    base.bias.data = bias
-                self._bidir_merged[i] = (base, *held)
+            for base, tensors in self._bidir_merged:
+                for k, held in tensors.items():
+                    param = getattr(base, k)
+                    tensors[k], param.data = param.data, held
         swap()
         try:
             yield

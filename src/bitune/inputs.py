@@ -21,18 +21,6 @@ def check_ids(model: nn.Module, *ids: torch.Tensor) -> None:
                              f"[{t.min().item()}, {t.max().item()}]")
 
 
-def check_architecture(model: nn.Module) -> None:
-    """A decoder-only transformers causal LM with a number of layers."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generate"):
-        raise ValueError(f"{type(model).__name__} is not a transformers causal LM (no config / generate)")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; Bitune needs a decoder-only LM")
-    text = config.get_text_config()
-    if not getattr(text, "num_hidden_layers", None):
-        raise ValueError(f"{type(model).__name__}: config has no num_hidden_layers; unsupported architecture")
-
-
 MIN_PROMPT_TOKENS = 2
 """A prompt's fewest tokens: both prompt passes read all but the last token, which opens the answer."""
 

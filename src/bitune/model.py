@@ -23,6 +23,7 @@ and loss in :mod:`bitune.outputs`, recompute in :mod:`bitune.recompute`, the mer
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -31,17 +32,18 @@ from torch import nn
 
 from . import cache as kv
 from . import checkpoint, decoding, recompute
-from .adapters import WeightSets
+from .adapters import RoutingError, WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
 from .hub import load_model
-from .inputs import check_answer, check_architecture, check_ids, check_prompt
+from .inputs import check_answer, check_ids, check_prompt
 from .masks import position_ids
 from .mixer import Mixer
 from .modelcard import Training
 from .outputs import BituneOutput, answer_loss, token_logprobs
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
+from .support import Support, agree, check_model, evaluating, passes_obey_masks, refuse
 
 BATCHED_PREFILL_MAX_POSITIONS = 256
 """Prompt positions per pass (B x T) up to which ``prompt_passes="auto"`` reads both passes as one batched forward;
@@ -63,13 +65,15 @@ class BituneModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
-        check_architecture(model)
+        check_model(model)
         self.config = config
         self.prompt_passes = prompt_passes
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
         self.mixer = Mixer(self.num_layers, config.theta_init, config.init_share) if config.mixes else None
+        self.support = Support()
+        """Which fast paths compute the plain path's numbers on this model (:mod:`bitune.support`)."""
         self._probe()
 
     @classmethod
@@ -116,7 +120,7 @@ class BituneModel(nn.Module):
         if self.config.single_pass:
             return "single"
         names = [w for w, _ in self.config.passes]
-        if self.prompt_passes in ("auto", "fused") and self.weights.can_route(names + ["causal"]):
+        if self.prompt_passes in ("auto", "fused") and self.support.fused and self.weights.can_route(names + ["causal"]):
             return "fused"
         return self.prefill_path()
 
@@ -183,24 +187,94 @@ class BituneModel(nn.Module):
         return self.mixer.ratios() if self.mixer is not None else {}
 
     def _probe(self) -> None:
-        """One tiny prompt pass that checks the architecture and freezes bidir weights that cannot get a gradient:
-        only the prompt passes' keys and values reach the answer, so in the last layer everything after K/V (q, o,
-        MLP) is unused by the bidir weights, found by one backward from the last layer's K/V (any architecture)."""
+        """Tiny prompt passes that check the model and prepare it (:mod:`bitune.support`): they freeze the bidir
+        weights that cannot get a gradient (only the prompt passes' keys and values reach the answer, so in the
+        last layer everything after K/V (q, o, MLP) is unused by the bidir weights, found by one backward from the
+        last layer's K/V), refuse a model whose prompt passes do not obey their masks, and switch off a fast path
+        (per-row or per-position routing, the fused forward) that does not compute the plain path's numbers.
+
+        Raises:
+            UnsupportedModelError: the bidirectional pass does not see later tokens, or the causal one does.
+        """
         weights = "bidir" if "bidir" in self.config.weight_sets else "causal"
-        device = next(self.weights.base.parameters()).device
+        base = self.weights.base
+        device = next(base.parameters()).device
         if device.type == "meta":  # shapes only (memory accounting): nothing can run, nothing is frozen
             return
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         mask = torch.ones(1, 2, dtype=torch.long, device=device)
         with torch.enable_grad():
-            try:
-                cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
-                k, v = kv.layer_kv(cache, self.num_layers - 1)
-            except (AttributeError, IndexError, TypeError) as e:
-                raise ValueError(f"{type(self.weights.base).__name__}: no per-layer attention KV cache "
-                                 f"({e}); Bitune cannot mix its prompt features") from e
+            cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
+            k, v = kv.layer_kv(cache, self.num_layers - 1)
             if weights == "bidir":
                 self.weights.freeze_unreached("bidir", k.sum() + v.sum())
+        if self.config.single_pass:
+            return  # no prompt passes: a plain causal forward
+        with evaluating(self):
+            self._check_passes(device)
+            self._check_fast_paths(device)
+        if self.support.note:
+            logging.getLogger("bitune").warning("%s: %s", type(base).__name__, self.support.note)
+
+    def _check_passes(self, device) -> None:
+        """Refuse the model if its prompt passes do not obey their masks (:func:`bitune.support.passes_obey_masks`)."""
+        sets = self.config.weight_sets
+
+        def first_keys(kind: str, ids: torch.Tensor) -> list[torch.Tensor]:
+            weights = "bidir" if kind == "bidirectional" and "bidir" in sets else "causal"
+            cache = read_pass(self.weights, self.text_config, ids, torch.ones_like(ids), weights, kind)
+            return [kv.layer_kv(cache, i)[0][..., 0, :] for i in range(self.num_layers)]
+
+        vocab = self.weights.base.get_input_embeddings().num_embeddings
+        ids = torch.randint(min(3, vocab - 1), vocab, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
+        if (problem := passes_obey_masks(first_keys, ids, vocab)) is not None:
+            raise refuse(self.weights.base, problem)
+
+    def _check_fast_paths(self, device) -> None:
+        """Run a tiny padded batch through every path this model would take and keep only the fast paths that
+        agree with the passes read one at a time (:class:`bitune.support.Support`)."""
+        vocab = self.weights.base.get_input_embeddings().num_embeddings
+        g = torch.Generator().manual_seed(1)
+        p_ids = torch.randint(min(3, vocab - 1), vocab, (2, 5), generator=g).to(device)
+        p_mask = torch.ones_like(p_ids)
+        p_mask[0, :2] = 0  # row 0 left-padded
+        a_ids = torch.randint(min(3, vocab - 1), vocab, (2, 2), generator=g).to(device)
+        a_mask = torch.ones_like(a_ids)
+        chosen = self._prompt_passes
+
+        def logits(path: str) -> torch.Tensor:
+            self._prompt_passes = path
+            if path == "fused":
+                return fused_logits(self.weights, self.mixer, self.config.passes, self.text_config, p_ids, p_mask,
+                                    a_ids, a_mask)
+            return self.answer_logits(self.prefill(p_ids, p_mask), a_ids, a_mask)
+
+        try:
+            plain = logits("sequential")
+            names = [w for w, _ in self.config.passes]
+            if self.weights.can_route(names) and len(names) == 2:
+                try:
+                    if not agree(logits("batched"), plain):
+                        self.weights.route_ok, self.support.routed = False, False
+                        self.support.note = "the prompt passes batched as one forward disagree with them one by one"
+                except RoutingError as e:
+                    self.weights.route_ok, self.support.routed = False, False
+                    self.support.note = f"LoRA weight sets cannot be routed per row ({e})"
+            if self.weights.can_route(names + ["causal"]):
+                try:
+                    if not agree(logits("fused"), plain):
+                        self.support.fused = False
+                        self.support.note = ("the fused forward disagrees with the passes read one by one (the model "
+                                             "computes attention or positions outside transformers' attention "
+                                             "interface)")
+                except RoutingError as e:
+                    self.support.fused = False
+                    self.support.note = f"LoRA weight sets cannot be routed per position ({e})"
+            if self.support.note:
+                self.support.note += "; it runs the prompt passes " + (
+                    "batched" if self.prefill_path() == "batched" else "one by one")
+        finally:
+            self._prompt_passes = chosen
 
     # ----------------------------------------------------------------------------------------------- passes
     def decoder_layers(self) -> list[nn.Module]:

@@ -1,0 +1,170 @@
+"""Which models Bitune is defined for, checked on the model itself when it is wrapped.
+
+Bitune needs three things of a causal LM: every decoder layer keeps attention keys and values in a transformers
+cache (they are what the two prompt passes mix), its attention obeys the 4D mask a prompt pass hands it (so the
+bidirectional pass sees later tokens and the causal one does not), and its positions come from ``position_ids``
+(left padding and the fused forward restart them). Rather than a list of names that goes stale with every
+transformers release, :func:`check_model` asks the model, with a forward over a few tokens, before any adapter
+is added; :func:`check_passes` asks the wrapped model the same of its prompt passes, and :func:`fast_paths` which
+of the faster execution paths compute what the plain one-pass-at-a-time path computes on it. A model that fails a
+requirement is refused with one line naming it and the reason; a fast path that would be wrong is switched off
+(the model then runs the path that is right, and says so in :attr:`Support.note`).
+
+:data:`KNOWN_CAUSES` is the one table of what is known about architectures that fail a check: it names the
+cause in the error (the probe decides; the table only explains). The Supported models page of the documentation
+is generated from the architecture matrix (``scripts/architectures.py``), which runs these checks on a tiny
+model of every decoder-only causal LM in the pinned transformers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .errors import BituneError
+
+
+class UnsupportedModelError(BituneError):
+    """The model is not one Bitune is defined for (or not one it supports yet); the message says why."""
+
+
+KNOWN_CAUSES: dict[str, str] = {
+    **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases built from the sequence length, not from "
+                    "position_ids"),
+    "gpt_neo": "its attention applies a causal mask of its own (a registered 'bias' buffer)",
+    **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
+    **dict.fromkeys(("jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
+                     "lfm2_moe", "qwen3_next", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "minimax",
+                     "qwen3_5_text", "qwen3_5_moe_text", "bailing_hybrid", "lfm3"),
+                    "a hybrid of attention and recurrent or linear-attention layers (Bitune's mixing is defined for "
+                    "attention keys and values; a rule for the recurrent layers' states is not)"),
+}
+"""model_type -> why such models fail a check (named in the refusal; the checks themselves decide)."""
+
+
+@dataclass
+class Support:
+    """What :func:`fast_paths` found on a wrapped model.
+
+    Attributes:
+        fused: the fused forward (one forward for all passes) computes what the passes one by one compute.
+        routed: LoRA weight sets can be routed per row or position within one forward (the batched and fused
+            paths); off when a layer sees its tokens in a layout routing cannot follow.
+        note: why a path is off ("" when both are on).
+    """
+
+    fused: bool = True
+    routed: bool = True
+    note: str = ""
+
+
+def _name(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    return f"{type(model).__name__} ({kind})" if kind else type(model).__name__
+
+
+def _cause(model: nn.Module, found: str) -> str:
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    known = KNOWN_CAUSES.get(kind)
+    return f"{found}: {known}" if known else found
+
+
+def refuse(model: nn.Module, found: str) -> UnsupportedModelError:
+    """The one-line refusal of ``model``: its class and type, what the check found and, if known, the cause."""
+    return UnsupportedModelError(f"{_name(model)} is not supported by Bitune: {_cause(model, found)}")
+
+
+@contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode (no dropout) and no gradients within this block; every module's mode is restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _probe_ids(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(device)
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse ``model`` (before adapters are added) if it is not a decoder-only transformers causal LM whose every
+    decoder layer keeps attention keys and values in a transformers cache, or if it builds ALiBi biases.
+
+    Raises:
+        UnsupportedModelError: one line naming the model and the reason.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers causal LM (no config / generate)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{_name(model)} is an encoder-decoder model; Bitune needs a decoder-only LM")
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", None)
+    if not layers:
+        raise UnsupportedModelError(f"{_name(model)}: config has no num_hidden_layers; unsupported architecture")
+    alibi = (getattr(text, "alibi", False) is True or getattr(getattr(text, "attn_config", None), "alibi", False)
+             or getattr(text, "model_type", None) == "bloom")
+    if alibi:
+        raise refuse(model, "ALiBi attention biases")
+    if next(model.parameters()).device.type == "meta":
+        return  # shapes only (memory accounting): nothing can run
+    cache = DynamicCache(config=text)
+    ids = _probe_ids(model, 3)
+    with evaluating(model):
+        try:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True, logits_to_keep=1)
+        except Exception as e:  # noqa: BLE001 - any failure here means the model cannot be read into a cache
+            raise refuse(model, f"a forward that fills a transformers KV cache fails "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from e
+    held = list(getattr(cache, "layers", []))
+    for i in range(layers):
+        keys = getattr(held[i], "keys", None) if i < len(held) else None
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] != ids.shape[1]:
+            kind = type(held[i]).__name__ if i < len(held) else "nothing"
+            raise refuse(model, f"decoder layer {i} keeps no attention keys and values in the cache ({kind})")
+
+
+def passes_obey_masks(first_keys, ids: torch.Tensor, vocab: int) -> str | None:
+    """What is wrong with the prompt passes' masks, or None.
+
+    Args:
+        first_keys: ``first_keys(kind, ids)`` -> the first position's keys of every layer, for a prompt pass of
+            mask ``kind`` over ``ids`` (1, T).
+        ids: (1, T) token ids, T >= 2.
+        vocab: the vocabulary size (to change the last token to another id).
+    """
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    for kind in ("causal", "bidirectional"):
+        before, after = first_keys(kind, ids), first_keys(kind, changed)
+        for i, (a, b) in enumerate(zip(before, after)):
+            moved = (a.float() - b.float()).abs().max().item()
+            scale = a.float().abs().max().item() + 1e-6
+            if kind == "causal" and moved > 1e-3 * scale:
+                return f"its causal prompt pass lets layer {i} see a later token"
+            if kind == "bidirectional" and i > 0 and moved == 0:
+                return (f"its bidirectional prompt pass does not see later tokens in layer {i} (the model's "
+                        "attention does not take the pass's 4D mask)")
+    return None
+
+
+def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two paths' logits agree to the rounding of the model's dtype (relative to their size)."""
+    tol = 1e-4 if a.dtype == torch.float32 else 5e-2
+    return a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol * (b.float().abs().max().item() + 1)
+
+
+__all__ = ["KNOWN_CAUSES", "Support", "UnsupportedModelError", "agree", "check_model", "evaluating", "passes_obey_masks", "refuse"]

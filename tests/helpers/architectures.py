@@ -1,0 +1,409 @@
+"""The architecture matrix: a tiny random model of every decoder-only causal LM the pinned transformers ships, and
+the five checks a user relies on, each a property that can fail (``tests/test_architectures.py`` runs them;
+``scripts/architectures.py`` writes the committed results and the Supported models page).
+
+The list is enumerated from transformers' own causal-LM mapping, not written by hand, so an upgrade shows what is
+new. A type is out of scope when it is not a decoder-only text LM (an encoder-decoder, an encoder used as a
+decoder, a multimodal wrapper whose text model is listed on its own); every other type is built tiny (hidden 64,
+2 layers, 4 heads / 2 KV heads, vocab 96) with its config class's other defaults, plus the few fields some need
+(:data:`FIELDS`).
+
+The checks (each returns None when it holds, else what failed):
+
+- ``wrap``: ``BituneModel.wrap(base, BituneConfig(variant="bitune", method="lora", rank=4))`` succeeds, or refuses
+  with one line (a refusal is a status of its own, not a failure);
+- ``train``: a batch of two left-padded prompts with right-padded answers gives a finite loss, and backward reaches
+  every tensor of both adapter sets and every theta;
+- ``correct``: at share 0 each row's answer logits equal a plain causal forward; every path (fused, batched,
+  sequential) equals :func:`bitune.reference.reference_logits`; the bidirectional pass sees a later token in every
+  layer and the causal one does not; a padded row equals the row alone; the ``lora`` variant equals plain PEFT;
+- ``generate``: greedy generation equals the argmax of teacher forcing; at share 0 it equals the causal model's
+  greedy tokens; the ``pretrained`` variant equals the untouched base model;
+- ``merge``: ``merge()`` keeps logits within 1e-4 and greedy tokens identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from bitune import BituneConfig, BituneModel
+from bitune.cache import layer_kv
+from bitune.reference import reference_logits
+
+VOCAB = 96
+PAD = 0
+CHECKS = ("wrap", "train", "correct", "generate", "merge")
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+"""Agreement between paths of one model: float32 rounding, or bfloat16's (mixing itself runs in float32)."""
+MERGE_ATOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+            # the same sizes under other names
+            n_embd=64, n_layer=2, n_head=4, n_positions=128, d_model=64, ffn_dim=128, num_layers=2, n_layers=2,
+            num_heads=4, n_heads=4, d_ff=128, n_inner=128, head_dim=16, kv_channels=16,
+            # mixtures of experts: few and small
+            num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2,
+            moe_k=2, moe_topk=2, top_k=2, moe_intermediate_size=32, expert_intermediate_size=32,
+            shared_expert_intermediate_size=32, n_shared_experts=1, num_shared_experts=1, n_group=1, topk_group=1,
+            first_k_dense_replace=1, moe_layer_freq=1, decoder_sparse_step=1,
+            # multi-head latent attention and sliding windows
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            qk_head_dim=16, sliding_window=64, attention_window_size=64)
+"""Fields every tiny config takes when its class knows them (names differ between architectures)."""
+
+FIELDS: dict[str, dict] = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=64),
+    "xglm": dict(vocab_size=VOCAB),
+    "reformer": dict(axial_pos_shape=[8, 16]),
+}
+"""Per-type extra fields a tiny model needs to build."""
+
+OUT_OF_SCOPE: dict[str, str] = {
+    "git": "a vision-language model (image encoder + text decoder)",
+    "moshi": "a speech model (audio codes)",
+    "phi4_multimodal": "a multimodal model",
+    "xlm": "a masked language model (XLM's LM head is not a causal LM)",
+    "xlnet": "a permutation language model, not a causal decoder",
+    "cpmant": "CPM-Ant keeps no transformers Cache (its own position-bias segments)",
+}
+"""Types that are not decoder-only text LMs, beyond those the config says are (encoder-decoders, encoders used as
+decoders, multimodal wrappers)."""
+
+
+@dataclass
+class Result:
+    """One architecture's row of the matrix."""
+
+    model_type: str
+    model_class: str
+    attn: str | None = None
+    status: str = "pass"
+    """``pass`` (every check holds), ``fail`` (some check fails), ``refused`` (wrap refuses it, with ``reason``),
+    ``out_of_scope`` (not a decoder-only text LM), ``no_tiny`` (the plain tiny model does not build or run)."""
+    checks: dict[str, str | None] = field(default_factory=dict)
+    reason: str = ""
+    path: str = ""
+    """The forward path wrap picked (``fused``, ``batched`` or ``sequential``) and the prefill path."""
+    note: str = ""
+    """Why wrap switched a fast path off (:attr:`bitune.support.Support.note`)."""
+
+
+def causal_lm_types() -> dict[str, str]:
+    """Every causal-LM model type of the pinned transformers, with its model class name."""
+    return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
+
+
+def scope(model_type: str) -> str | None:
+    """Why ``model_type`` is out of the matrix's scope, or None if it is a decoder-only text LM."""
+    if model_type in OUT_OF_SCOPE:
+        return OUT_OF_SCOPE[model_type]
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception as e:  # noqa: BLE001 - a config class that does not build with its own defaults
+        return f"its config does not build with its defaults ({type(e).__name__})"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (its causal LM is the decoder half)"
+    if hasattr(config, "is_decoder"):
+        return "an encoder used as a decoder (is_decoder)"
+    if config.get_text_config() is not config:
+        return "a multimodal wrapper (its text model is listed on its own)"
+    return None
+
+
+def tiny_config(model_type: str):
+    """The tiny config of ``model_type``: :data:`TINY` where its class has the field, :data:`FIELDS`, and a layer
+    pattern that keeps one layer of each kind the default pattern has."""
+    default = CONFIG_MAPPING[model_type]()
+    fields = {k: v for k, v in TINY.items()
+              if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
+    if hasattr(default, "kv_lora_rank"):  # multi-head latent attention: as many key/value heads as query heads
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    fields.update(FIELDS.get(model_type, {}))
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types:
+        kinds = list(dict.fromkeys(types))
+        pattern = (kinds * 2)[:max(2, len(kinds))]
+        fields["layer_types"] = pattern
+        for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if name in fields:
+                fields[name] = len(pattern)
+    for name in ("layers_block_type", "block_types"):
+        value = getattr(default, name, None)
+        if isinstance(value, (list, tuple)) and value:
+            kinds = list(dict.fromkeys(value))
+            fields[name] = (kinds * 2)[:max(2, len(kinds))]
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return CONFIG_MAPPING[model_type](**fields)
+
+
+def tiny_model(model_type: str, attn: str = "sdpa", dtype=torch.float32, seed: int = 0):
+    """A freshly initialised tiny model of ``model_type``, in eval mode."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type)
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype).eval()
+
+
+def _batch():
+    """Two left-padded prompts and right-padded answers (row 0: 4 real prompt tokens of 6; row 1 a shorter answer)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.randint(3, VOCAB, (2, 6), generator=g)
+    p[0, :2] = PAD
+    pm = (torch.arange(6)[None] >= torch.tensor([[2], [0]])).long()
+    a = torch.randint(3, VOCAB, (2, 3), generator=g)
+    am = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    a[1, 2] = PAD
+    return p, pm, a, am
+
+
+def _row(tensors, i):
+    p, pm, a, am = tensors
+    keep_p, keep_a = pm[i].bool(), am[i].bool()
+    return p[i][keep_p][None], pm[i][keep_p][None], a[i][keep_a][None], am[i][keep_a][None]
+
+
+def _perturb(model: BituneModel, scale: float = 0.05, seed: int = 1) -> BituneModel:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.trainable_parameters().values():
+            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
+    return model
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> str | None:
+    diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else math.inf
+    if not diff <= atol:
+        return f"{what}: differ by {diff:.2g} (shapes {tuple(got.shape)} vs {tuple(want.shape)})"
+    return None
+
+
+def _causal_logits(model: BituneModel, tensors, i: int) -> torch.Tensor:
+    p, _, a, _ = _row(tensors, i)
+    ids = torch.cat([p, a], 1)
+    return model.weights.call("causal", input_ids=ids).logits[:, p.shape[1] - 1:-1]  # (1, A, V)
+
+
+def wrapped(model_type: str, attn: str, dtype=torch.float32, variant: str = "bitune", prompt_passes: str = "auto",
+            perturb: bool = True) -> BituneModel:
+    """The tiny model of ``model_type`` wrapped (adapters and thetas perturbed, so every set does something)."""
+    base = tiny_model(model_type, attn, dtype)
+    model = BituneModel.wrap(base, BituneConfig(variant=variant, method="lora", rank=4), prompt_passes=prompt_passes)
+    return _perturb(model) if perturb and variant != "pretrained" else model
+
+
+def _reached(params: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k, p in params.items() if p.grad is not None and p.grad.abs().sum() > 0}
+
+
+def check_train(model: BituneModel) -> str | None:
+    """Finite loss; backward reaches every tensor of both sets that a plain LoRA forward of the causal set reaches
+    (a model whose own LoRA leaves a layer without gradient is not Bitune's fault), and every theta."""
+    tensors = _batch()
+    params = model.trainable_parameters()
+    model.train()
+    p, pm, a, am = tensors
+    plain = model.weights.call("causal", input_ids=torch.cat([p, a], 1), attention_mask=torch.cat([pm, am], 1))
+    plain.logits.float().logsumexp(-1).mean().backward()
+    plain_reach = {k.split(":", 1)[1].replace(".causal.", ".{}.") for k in _reached(params) if k.startswith("causal:")}
+    model.zero_grad(set_to_none=True)
+    out = model(*tensors)
+    model.eval()
+    if not torch.isfinite(out.loss):
+        return f"loss {out.loss.item()}"
+    out.loss.backward()
+    reached = _reached(params)
+    if not any(k.startswith("bidir:") for k in params):
+        return "no bidirectional adapter is trainable"
+    expected = {k for k in params if not k.startswith("mixer:")
+                and k.split(":", 1)[1].replace(f".{k.split(':')[0]}.", ".{}.") in plain_reach}
+    missing = sorted(expected - reached)
+    if missing:
+        return f"no gradient reaches {len(missing)} of {len(expected)} adapter tensors (e.g. {missing[:2]})"
+    grads = torch.cat([model.mixer.theta_k.grad, model.mixer.theta_v.grad])
+    if not (grads != 0).all():
+        return f"{int((grads == 0).sum())} thetas get a zero gradient"
+    return None
+
+
+@torch.no_grad()
+def check_correct(model_type: str, attn: str, dtype) -> str | None:
+    atol = ATOL[dtype]
+    tensors = _batch()
+    model = wrapped(model_type, attn, dtype)
+    ref = reference_logits(model, *tensors)
+    got = {}
+    for passes in ("fused", "batched", "sequential"):
+        model.prompt_passes = passes
+        got[passes] = model(*tensors).logits
+    model.prompt_passes = "auto"
+    A = tensors[3]
+    for name, logits in got.items():
+        for i in range(2):
+            n = int(A[i].sum())
+            if err := _close(logits[i, :n], ref[i, :n], atol, f"{name} path vs the reference, row {i}"):
+                return err
+    for i in range(2):  # a padded row equals the row alone
+        single = _row(tensors, i)
+        n = single[2].shape[1]
+        if err := _close(got["fused"][i, :n], model(*single).logits[0], atol, f"padded row {i} vs the row alone"):
+            return err
+    # the bidirectional pass sees a later token in every layer, the causal one does not
+    p = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    changed = p.clone()
+    changed[0, -1] = (changed[0, -1] + 1 - 3) % (VOCAB - 3) + 3
+    mask = torch.ones_like(p)
+    for prompt_passes in ("sequential", "batched"):
+        model.prompt_passes = prompt_passes
+        before, after = model.prompt_caches(p, mask), model.prompt_caches(changed, mask)
+        for layer in range(model.num_layers):
+            (kc, _), (kb, _) = (layer_kv(c, layer) for c in before)
+            (kc2, _), (kb2, _) = (layer_kv(c, layer) for c in after)
+            if (kc[..., 0, :] - kc2[..., 0, :]).abs().max() > atol:
+                return f"{prompt_passes}: the causal pass's first key in layer {layer} changes with a later token"
+            if layer > 0 and not (kb[..., 0, :] - kb2[..., 0, :]).abs().max() > 1e-6:
+                return f"{prompt_passes}: the bidirectional pass's first key in layer {layer} ignores a later token"
+    model.prompt_passes = "auto"
+    # share 0: each row's answer logits equal a plain causal forward
+    model.mixer.theta_k.zero_()
+    model.mixer.theta_v.zero_()
+    logits = model(*tensors).logits
+    for i in range(2):
+        n = int(A[i].sum())
+        if err := _close(logits[i, :n], _causal_logits(model, tensors, i)[0], atol, f"share 0 vs causal, row {i}"):
+            return err
+    # the lora variant equals plain PEFT's forward
+    lora = wrapped(model_type, attn, dtype, variant="lora")
+    logits = lora(*tensors).logits
+    for i in range(2):
+        n = int(A[i].sum())
+        want = _causal_logits(lora, tensors, i)[0]
+        if err := _close(logits[i, :n], want, atol, f"lora variant vs plain PEFT, row {i}"):
+            return err
+    return None
+
+
+@torch.no_grad()
+def check_generate(model_type: str, attn: str, dtype) -> str | None:
+    p, pm, _, _ = _batch()
+    model = wrapped(model_type, attn, dtype)
+    kw = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=PAD)
+    gen = model.generate(p, pm, **kw)
+    forced = model(p, pm, gen, torch.ones_like(gen)).logits.argmax(-1)
+    if not torch.equal(forced, gen):
+        return "greedy generation differs from the argmax of teacher forcing"
+    model.mixer.theta_k.zero_()
+    model.mixer.theta_v.zero_()
+    gen = model.generate(p, pm, **kw)
+    for i in range(2):
+        single = _row((p, pm, p, pm), i)[0]
+        causal = model.weights.model.generate(input_ids=single, attention_mask=torch.ones_like(single),
+                                              do_sample=False, **kw)[:, single.shape[1]:]
+        if not torch.equal(causal[0], gen[i]):
+            return f"share 0: greedy tokens differ from the causal model's (row {i})"
+    base = tiny_model(model_type, attn, dtype)
+    pretrained = BituneModel.wrap(tiny_model(model_type, attn, dtype), BituneConfig(variant="pretrained"))
+    gen = pretrained.generate(p, pm, **kw)
+    for i in range(2):
+        single = _row((p, pm, p, pm), i)[0]
+        plain = base.generate(input_ids=single, attention_mask=torch.ones_like(single), do_sample=False,
+                              **kw)[:, single.shape[1]:]
+        if not torch.equal(plain[0], gen[i]):
+            return f"the pretrained variant's greedy tokens differ from the base model's (row {i})"
+    return None
+
+
+@torch.no_grad()
+def check_merge(model_type: str, attn: str, dtype) -> str | None:
+    tensors = _batch()
+    plain, merged = wrapped(model_type, attn, dtype), wrapped(model_type, attn, dtype)
+    merged.merge()
+    if not merged.merged:
+        return "merge() left the model unmerged"
+    a, b = (m.answer_logits(m.prefill(*tensors[:2]), *tensors[2:]) for m in (plain, merged))
+    A = tensors[3]
+    for i in range(2):
+        n = int(A[i].sum())
+        if err := _close(b[i, :n], a[i, :n], MERGE_ATOL[dtype], f"merged vs unmerged logits, row {i}"):
+            return err
+    kw = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=PAD)
+    if not torch.equal(plain.generate(*tensors[:2], **kw), merged.generate(*tensors[:2], **kw)):
+        return "merged greedy tokens differ"
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    return text[:300]
+
+
+def attn_for(model_type: str) -> str | None:
+    """sdpa where transformers allows it for ``model_type``, else eager; None if the tiny model does not build or
+    run a forward."""
+    for attn in ("sdpa", "eager"):
+        try:
+            model = tiny_model(model_type, attn)
+            ids, mask = torch.tensor([[0, 4, 5], [3, 4, 5]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+            model(input_ids=ids, attention_mask=mask)  # a padded batch, as any fine-tuning user runs
+            return attn
+        except Exception:  # noqa: BLE001, S112 - the next implementation, or none
+            continue
+    return None
+
+
+def run(model_type: str, dtype=torch.float32, attn: str | None = None, verbose: bool = False) -> Result:
+    """The matrix's row for ``model_type``."""
+    result = Result(model_type, causal_lm_types().get(model_type, "?"))
+    if (why := scope(model_type)) is not None:
+        result.status, result.reason = "out_of_scope", why
+        return result
+    attn = attn or attn_for(model_type)
+    if attn is None:
+        result.status, result.reason = "no_tiny", "the plain tiny model does not build or run a forward"
+        return result
+    result.attn = attn
+    try:
+        model = wrapped(model_type, attn, dtype)
+    except (ValueError, TypeError) as e:
+        result.status, result.reason = "refused", _one_line(e)
+        result.checks = {"wrap": None}
+        return result
+    except Exception as e:  # noqa: BLE001
+        result.status, result.reason = "fail", _one_line(e)
+        result.checks = {"wrap": _one_line(e)}
+        return result
+    result.path = f"{model.forward_path()} / {model.prefill_path()}"
+    result.note = model.support.note
+    result.checks["wrap"] = None
+    steps = {"train": lambda: check_train(model), "correct": lambda: check_correct(model_type, attn, dtype),
+             "generate": lambda: check_generate(model_type, attn, dtype),
+             "merge": lambda: check_merge(model_type, attn, dtype)}
+    for name, check in steps.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result.checks[name] = check()
+        except Exception as e:  # noqa: BLE001 - a crash is a failed check
+            if verbose:
+                traceback.print_exc()
+            result.checks[name] = _one_line(e)
+    if any(v is not None for v in result.checks.values()):
+        result.status = "fail"
+    return result
+
+
+__all__ = ["CHECKS", "Result", "attn_for", "causal_lm_types", "check_correct", "check_generate", "check_merge",
+           "check_train", "run", "scope", "tiny_config", "tiny_model", "transformers", "copy"]
