@@ -211,4 +211,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bitune.cli import run_script
+
+    sys.exit(run_script("docs reference", main))

@@ -47,4 +47,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bitune.cli import run_script
+
+    sys.exit(run_script("golden spread", main))

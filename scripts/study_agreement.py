@@ -87,4 +87,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bitune.cli import run_script
+
+    sys.exit(run_script("study agreement", main))

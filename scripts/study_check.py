@@ -36,4 +36,6 @@ def main(folder: str, method: str = "lora") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    from bitune.cli import run_script
+
+    sys.exit(run_script("study check", lambda: main(*sys.argv[1:3])))

@@ -25,6 +25,9 @@ from typing import NamedTuple
 import numpy as np
 from matplotlib.figure import Figure
 
+from bitune.cli import run_script
+from bitune.errors import BituneError
+from bitune.files import check_output_file, read_text, write_text_atomic
 from bitune.plot import read_mixing_log
 
 RUN = re.compile(r"^(?P<method>.+)-(?P<seed>\d+)$")
@@ -48,13 +51,31 @@ def runs(folder: Path) -> dict[tuple[str, int], Run]:
         match = RUN.match(log.parent.name)
         if match is None:
             continue
-        records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+        records = log_records(log)
         if not any("train_runtime" in r for r in records):
             print(f"study figures: {log.parent.name} has not finished training, left out", file=sys.stderr)
             continue
         steps = [r for r in records if "loss" in r and r.get("step") and "train_runtime" not in r]
         out[match["method"], int(match["seed"])] = Run(match["method"], int(match["seed"]), log, steps)
     return out
+
+
+def log_records(log: Path) -> list[dict]:
+    """The records of a training log; a last line cut off (a run stopped while writing it) is left out, as the run
+    is (it has no ``train_runtime`` record after it).
+
+    Raises:
+        BituneError: a line before the last is not JSON (naming ``log:line``), or the file cannot be read.
+    """
+    lines = [line for line in read_text(log, "training log").splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n < len(lines):
+                raise BituneError(f"{log}:{n}: not valid JSON ({e.msg})") from e
+    return records
 
 
 def curves(found: dict[tuple[str, int], Run]) -> tuple[dict, dict]:
@@ -148,13 +169,22 @@ def figure(folder: Path, found: dict[tuple[str, int], Run] | None = None) -> Pat
     return out
 
 
+def main(folder: Path) -> int:
+    """Write ``folder/training.png`` and ``folder/training.md``; both targets are checked before any work."""
+    if not folder.is_dir():
+        raise BituneError(f"{folder}: not a folder")
+    for name in ("training.png", "training.md"):
+        check_output_file(folder / name, "study figures' output")
+    table = folder / "training.md"
+    found = runs(folder)
+    print(figure(folder, found))
+    write_text_atomic(table, dynamics(folder, found))
+    print(table)
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    folder = Path(sys.argv[1])
-    found = runs(folder)
-    print(figure(folder, found))
-    table = folder / "training.md"
-    table.write_text(dynamics(folder, found), encoding="utf-8")
-    print(table)
+    sys.exit(run_script("study figures", lambda: main(Path(sys.argv[1]))))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from bitune.cli import run_script
 from bitune.data.datasets import DATASETS
 from bitune.eval.report import check_splits, collect_runs, find_results, load_records
 from bitune.stats import bootstrap_mean
@@ -45,4 +46,4 @@ if __name__ == "__main__":
     if len(sys.argv) < 3:
         print(__doc__, file=sys.stderr)
         sys.exit(2)
-    sys.exit(main(sys.argv[1], sys.argv[2:]))
+    sys.exit(run_script("study pick", lambda: main(sys.argv[1], sys.argv[2:])))

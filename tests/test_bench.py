@@ -84,6 +84,7 @@ def test_bench_eval_times_hf_pretrained_and_two_pass_bitune_on_the_same_requests
     save_checkpoint(tmp_path)
 
     class FakeTask:  # three 3-choice questions, as a multiple-choice task hands them to the model
+        OUTPUT_TYPE = "multiple_choice"
         instances: list = []
 
         def build_all_requests(self, limit=None):

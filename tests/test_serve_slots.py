@@ -134,7 +134,7 @@ def test_over_http_the_slot_server_answers_as_bitune_generate_and_refuses_past_i
     (["--compile", "--compile-buckets", "0,4"], "each must be in [1, --max-batch-size 16]"),
     (["--compile", "--compile-buckets", "32"], "each must be in [1, --max-batch-size 16]"),
     (["--compile", "--compile-buckets", "two"], "give batch sizes"),
-    (["--max-model-len", "1"], "--max-model-len 1: must be >= 2")])
+    (["--max-model-len", "1"], "--max-model-len 1: must be >= 3")])
 def test_serve_refuses_compile_options_it_cannot_use_before_loading(tmp_path, capsys, argv, message):
     assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0", *argv]) == 2
     line = one_error_line(capsys, "serve")

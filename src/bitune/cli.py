@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .commands.options import ArgumentParser, HelpFormatter, VerbParser
@@ -134,6 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         report_error(f"bitune {args.verb}: error: unexpected {type(e).__name__}: {error_line(e)} "
                      f"(run with --debug for the traceback)")
         return 1
+
+
+def run_script(name: str, script: Callable[[], int | None]) -> int:
+    """Run a script of ``scripts/`` as a verb runs: an error of its input (a ``ValueError``, ``BituneError`` among
+    them, or an ``OSError``) is one line ``NAME: error: ...`` and exit status 2; a bug keeps its traceback.
+
+    Returns:
+        The exit status (the script's own, 0 when it returns None).
+    """
+    try:
+        return int(script() or 0)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:
+        print(f"{name}: error: {error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ def replace_dir(src: Path, dst: Path, keep: tuple[str, ...] = ()) -> None:
     Args:
         keep: names of entries of ``dst`` that the writer did not write (a user's README.md, notes): copied into
             ``src`` first (unless ``src`` has one of that name), so they survive the replacement; until the
-            rename, the originals stay where they are.
+            rename, the originals stay where they are. The replaced folder is moved aside under a new name of its
+            own (``.<dst>.old-*``, made for it) and deleted last: nothing else in ``dst``'s parent is touched.
     """
     if dst.exists():
         for name in keep:
@@ -29,9 +31,8 @@ def replace_dir(src: Path, dst: Path, keep: tuple[str, ...] = ()) -> None:
                 shutil.copytree(entry, copy, symlinks=True)
             else:
                 shutil.copy2(entry, copy, follow_symlinks=False)
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))  # a new name: never a user's
+        os.replace(dst, old)  # onto the new, empty folder
         os.replace(src, dst)
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -92,17 +93,18 @@ def check_output_file(path: str | Path, what: str = "output file",
 
 
 def check_replaces_own(path: str | Path, what: str, kind: str, earlier: Callable[[Any], bool],
-                       jsonl: bool = False) -> None:
+                       form: str = "json") -> None:
     """An existing file at ``path`` is replaced only when it is an earlier output of the same kind (re-running a
     command updates its own output); any other file is not the command's to replace. An empty file holds nothing
-    to lose.
+    to lose. Every verb that writes a file where one may already be calls this before its first unit of work.
 
     Args:
         what: the option, e.g. ``"--output"``.
         kind: what an earlier output is, for the error (``"an evaluation result"``).
-        earlier: whether the parsed content is such an output: called with the file's JSON value, or with the
-            list of its non-blank lines' values with ``jsonl``; content that is not JSON is never an earlier output.
-        jsonl: the command writes JSON lines, not one JSON value.
+        earlier: whether the file's content is such an output, called with it read as ``form`` says; content that
+            cannot be read so is never an earlier output.
+        form: ``"json"`` (one JSON value), ``"jsonl"`` (the list of its non-blank lines' JSON values), ``"text"``
+            (UTF-8 text) or ``"bytes"``.
 
     Raises:
         BituneError: ``path`` exists and is not ``kind`` (naming the option, the file and how to proceed).
@@ -111,15 +113,25 @@ def check_replaces_own(path: str | Path, what: str, kind: str, earlier: Callable
     if not path.is_file() or path.stat().st_size == 0:
         return
     try:
-        text = path.read_text(encoding="utf-8")
-        value = [json.loads(line) for line in text.splitlines() if line.strip()] if jsonl else \
-            json.loads(text)
-        ours = earlier(value)
+        content = path.read_bytes()
+        if form != "bytes":
+            content = content.decode("utf-8")
+        if form == "jsonl":
+            content = [json.loads(line) for line in content.splitlines() if line.strip()]
+        elif form == "json":
+            content = json.loads(content)
+        ours = earlier(content)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         ours = False
     if not ours:
         raise BituneError(f"{what} {path} exists and is not {kind}; it would be replaced: give another file, or "
                           "move it away first")
+
+
+def is_figure(data: bytes) -> bool:
+    """Whether ``data`` is a PNG that matplotlib wrote (its ``Software`` text chunk): what an earlier figure of
+    ``bitune plot`` or ``bitune report`` is, for :func:`check_replaces_own` with ``form="bytes"``."""
+    return data.startswith(b"\x89PNG") and b"Matplotlib" in data
 
 
 def _resolved(keep: tuple[tuple[str, str | Path | None], ...]) -> list[tuple[str, Path]]:

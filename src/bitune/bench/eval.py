@@ -22,12 +22,13 @@ import torch
 from lm_eval.models.huggingface import HFLM
 
 from ..config import BituneConfig, merge_choice
+from ..errors import BituneError
 from ..eval.lm import BituneLM
 from ..eval.tasks import make_task
 from ..hub import DEFAULT_MODEL
 from ..loading import load_bitune
 from ..model import BituneModel
-from .helpers import interleaved, timed
+from .helpers import check_checkpoint, interleaved, timed
 
 
 def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limit: int = 20, batch_size: int = 8,
@@ -35,7 +36,13 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
                        merge: bool | str = True) -> dict:
     """Time ``loglikelihood`` over one task's requests for ``hf``, ``pretrained`` and ``bitune``; the fastest of
     ``rounds`` interleaved rounds counts. ``merge`` is the two-pass model's (``load_bitune``'s: True merges the
-    causal weights, ``"both"`` the bidir ones too, into a copy)."""
+    causal weights, ``"both"`` the bidir ones too, into a copy).
+
+    Raises:
+        BituneError: the task is not multiple-choice, or ``checkpoint`` is not a Bitune-variant checkpoint of
+            ``model_name`` (before any model loads).
+    """
+    t = check_inputs(model_name, task, checkpoint)
     model, tokenizer = load_bitune(model=model_name, device=device)
     if checkpoint:
         two_pass, _ = load_bitune(checkpoint=checkpoint, device=device, merge=merge)
@@ -44,7 +51,6 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
         two_pass = BituneModel.wrap(base.weights.base, BituneConfig(variant="bitune")).eval()
         if merge:
             two_pass.merge(bidir_copy=merge == "both")
-    t = make_task(task)
     t.build_all_requests(limit=limit)
     requests = [inst for inst in t.instances]
     questions = len({inst.doc_id for inst in requests})
@@ -93,6 +99,26 @@ def time_loglikelihood(model_name: str = DEFAULT_MODEL, task: str = "piqa", limi
     out["max_abs_logprob_diff"] = max(abs(a[0] - b[0]) for a, b in zip(scores["pretrained"], scores["hf"]))
     out["greedy_agree"] = all(a[1] == b[1] for a, b in zip(scores["pretrained"], scores["hf"]))
     return out
+
+
+def check_inputs(model_name: str, task: str, checkpoint: str | None):
+    """What the benchmark reads, checked before a model loads: ``checkpoint`` (the two-pass row: a Bitune variant
+    trained on ``model_name``, as ``bench serve`` requires) and ``task``, whose requests must be log-likelihoods of
+    choices (a generation task such as gsm8k has none to score).
+
+    Returns:
+        The task object.
+
+    Raises:
+        BituneError: naming ``--checkpoint`` or ``--task`` and the problem.
+    """
+    if checkpoint:
+        check_checkpoint("--checkpoint", checkpoint, model_name)
+    t = make_task(task)
+    if t.OUTPUT_TYPE != "multiple_choice":
+        raise BituneError(f"--task {task} is a {t.OUTPUT_TYPE} task: bench eval times multiple-choice scoring "
+                          "(log-likelihoods of the choices); give a multiple-choice task, e.g. piqa or arc_easy")
+    return t
 
 
 def token_floors(lm: BituneLM, requests) -> dict:

@@ -142,3 +142,30 @@ def shown(record: dict, render) -> dict:
     measure, then render, then hand the numbers on)."""
     render(record)
     return record
+
+
+def check_checkpoint(option: str, given: str, model: str, lora: bool = False) -> None:
+    """A benchmark's checkpoint, read before anything loads: a row is named after what it serves or scores, and
+    compares models of one base. ``option`` is what gave it (``--bitune``, ``--checkpoint``).
+
+    Args:
+        lora: the row is LoRA's (a ``lora`` checkpoint); else a Bitune variant's (two prompt passes).
+
+    Raises:
+        BituneError: the checkpoint is of another kind, or was trained on another base model than ``model``.
+    """
+    from ..checkpoint import read_config
+    from ..errors import BituneError
+
+    config = read_config(given)
+    if (config.variant == "lora") != lora or config.variant == "pretrained":
+        raise BituneError(f"{option} {given} is a {config.variant!r} checkpoint; {option} needs "
+                          f"{'a lora' if lora else 'a Bitune-variant'} checkpoint")
+    if config.base_model not in (None, model) and not _same_folder(config.base_model, model):
+        raise BituneError(f"{option} {given} was trained on {config.base_model!r}, not --model {model!r}: the rows "
+                          "would compare different models")
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two model names are one local folder (a relative and an absolute path to it)."""
+    return Path(a).expanduser().is_dir() and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()

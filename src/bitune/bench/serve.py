@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
+import math
 import os
 import random
 import statistics
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BituneError
-from .helpers import interleaved, shown
+from .helpers import check_checkpoint, interleaved, shown
 
 TEXT = ("The history of science is the study of the development of science and scientific knowledge, including "
         "both the natural and social sciences. Science is a body of empirical, theoretical, and practical "
@@ -236,9 +237,11 @@ def _percentile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (pos - low)
 
 
-def run_servers(groups: list[list[Server]], fresh: Prompts, args) -> dict[str, list[dict]]:
+def run_servers(groups: list[list[Server]], fresh: Prompts, args,
+                save: Callable[[dict[str, list[dict]]], None] = lambda per_round: None) -> dict[str, list[dict]]:
     """Group by group (the servers compared with each other, up at once; one group at a time bounds memory):
-    start every server, warm each up, then ``args.rounds`` rounds of the load on each in turn."""
+    start every server, warm each up, then ``args.rounds`` rounds of the load on each in turn; ``save`` gets every
+    server's results so far after each load."""
     logs = Path(tempfile.mkdtemp(prefix="bitune-bench-serve-"))
     print(f"bitune bench serve: server logs in {logs}", file=sys.stderr)
     out = {}
@@ -254,6 +257,7 @@ def run_servers(groups: list[list[Server]], fresh: Prompts, args) -> dict[str, l
                     s.results.append(load(s, fresh, args.clients, args.requests, args.new_tokens))
                     print(f"bitune bench serve: round {r + 1}: {s.name}: {s.results[-1]['tokens_per_s']:.1f} "
                           f"tokens/s", file=sys.stderr)
+                    save({**out, **{t.name: t.results for t in servers if t.results}})
         finally:
             for s in servers:
                 stop(s)
@@ -263,10 +267,12 @@ def run_servers(groups: list[list[Server]], fresh: Prompts, args) -> dict[str, l
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def ours(name: str, source: list[str], args, batch: int, merge: bool | str = True, compile: bool = False) -> Server:
-    # compiled: for the load's batch (every client at once) and --max-batch-size, positions for one request
+def ours(name: str, source: list[str], args, batch: int, merge: bool | str = True, compile: bool = False,
+         length: int | None = None) -> Server:
+    """A ``bitune serve`` server; ``compile``: with ``--compile``, for the load's batch (every client at once) and
+    --max-batch-size, its slots ``length`` positions long (default: one request's, and a little room)."""
     compiled = ["--compile", "--compile-buckets", str(min(args.clients, batch)), "--max-model-len",
-                str(args.prompt_tokens + args.new_tokens + 8)] if compile else []
+                str(length or args.prompt_tokens + args.new_tokens + 8)] if compile else []
     command = [sys.executable, "-m", "bitune.cli", "serve", *source, "--served-model-name", "m", "--threads",
                str(args.threads), "--dtype", args.dtype, "--max-batch-size", str(batch), "--max-queue", "4096",
                "--log-level", "warning", *(["--device", args.device] if args.device else []),
@@ -287,7 +293,6 @@ def transformers_server(folder: str, args) -> Server:
 def checkpoints(args, work: Path) -> dict[str, str]:
     """The Bitune and LoRA checkpoints to serve: the ones given, else fresh ones on ``args.model`` (adapters as
     initialised: the same shapes, hence the same compute, as trained ones)."""
-    from ..checkpoint import read_config
     from ..config import BituneConfig
     from ..hub import load_model
     from ..model import BituneModel
@@ -296,14 +301,8 @@ def checkpoints(args, work: Path) -> dict[str, str]:
     for variant in ("bitune", "lora"):
         given = getattr(args, variant)
         if given:
-            config = read_config(given)  # the row's name must be what is served: a LoRA row of a Bitune checkpoint
-            if (config.variant == "lora") != (variant == "lora") or config.variant == "pretrained":  # is no ratio
-                raise BituneError(f"--{variant} {given} is a {config.variant!r} checkpoint; --{variant} needs "
-                                  f"{'a lora' if variant == 'lora' else 'a Bitune-variant'} checkpoint")
-            if config.base_model not in (None, args.model):
-                raise BituneError(f"--{variant} {given} was trained on {config.base_model!r}, not --model "
-                                  f"{args.model!r}: the rows would compare different models")
-            out[variant] = given
+            check_checkpoint(f"--{variant}", given, args.model, lora=variant == "lora")  # a row's name is what
+            out[variant] = given  # it serves: a LoRA row of a Bitune checkpoint is no ratio
             continue
         base, _ = load_model(args.model)
         BituneModel.wrap(base, BituneConfig(variant=variant, base_model=args.model)).save_pretrained(work / variant)
@@ -314,6 +313,26 @@ def checkpoints(args, work: Path) -> dict[str, str]:
 def bench_serve(args) -> dict:
     """``bitune bench serve``: measure (:func:`measure`), print (:func:`render`), return the record."""
     return shown(measure(args), render)
+
+
+def wanted_servers(args) -> set[str]:
+    """The servers to run: every one the options make (``--no-transformers`` leaves one out, ``--compile`` adds
+    three), or those ``--only`` names, checked before any checkpoint is made or server starts.
+
+    Raises:
+        BituneError: ``--only`` names no server, or one that is not run.
+    """
+    names = ["bitune", "bitune_unmerged", "bitune_batch1", "lora", "lora_unmerged", "pretrained",
+             *([] if args.no_transformers else ["transformers_serve"]),
+             *(["bitune_compiled", "bitune_compiled_bidir", "pretrained_compiled"] if args.compile else [])]
+    if args.only is None:
+        return set(names)
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    unknown = sorted(set(wanted) - set(names))
+    if not wanted or unknown:
+        raise BituneError(f"--only {args.only!r}: " + (f"no server named {', '.join(unknown)}" if unknown else
+                                                       "names no server") + f"; the servers are {', '.join(names)}")
+    return set(wanted)
 
 
 def measure(args) -> dict:
@@ -341,10 +360,16 @@ def measure(args) -> dict:
     if args.prompt_tokens + args.new_tokens > positions:
         raise BituneError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} do not fit the "
                           f"model's {positions} positions")
+    wanted = wanted_servers(args)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     fresh = Prompts(tokenizer, args.prompt_tokens)
     fresh.take(1)  # a prompt of exactly --prompt-tokens can be written (else one error now)
     load_before = os.getloadavg()
+
+    def save(per_round: dict[str, list[dict]]) -> None:  # each finished load, as it ends: nothing is lost
+        if getattr(args, "save_part", None) is not None:
+            args.save_part({"model": args.model, "partial": True, "per_round": per_round})
+
     with tempfile.TemporaryDirectory(prefix="bitune-bench-serve-") as work:
         ckpts = checkpoints(args, Path(work))
         bitune, lora, batch = ["--checkpoint", ckpts["bitune"]], ["--checkpoint", ckpts["lora"]], args.max_batch_size
@@ -353,26 +378,22 @@ def measure(args) -> dict:
                    ours("lora_unmerged", lora, args, batch, merge=False),
                    ours("pretrained", ["--model", args.model], args, batch),
                    *([] if args.no_transformers else [transformers_server(folder, args)])]
-        if args.compile:
-            servers += [ours("bitune_compiled", bitune, args, batch, compile=True),
-                        ours("bitune_compiled_bidir", bitune, args, batch, merge="both", compile=True),
-                        ours("pretrained_compiled", ["--model", args.model], args, batch, compile=True)]
-        if args.only:
-            wanted = args.only.split(",")
-            unknown = sorted(set(wanted) - {s.name for s in servers})
-            if unknown:
-                raise BituneError(f"--only {args.only}: no server named {', '.join(unknown)}; the servers are "
-                                  f"{', '.join(s.name for s in servers)}")
-            servers = [s for s in servers if s.name in wanted]
-        rounds = run_servers([servers], fresh, args)
+        if args.compile:  # a request's positions, a little room for the tokenizer, within the model's
+            length = min(args.prompt_tokens + args.new_tokens + 8, positions)
+            servers += [ours("bitune_compiled", bitune, args, batch, compile=True, length=length),
+                        ours("bitune_compiled_bidir", bitune, args, batch, merge="both", compile=True, length=length),
+                        ours("pretrained_compiled", ["--model", args.model], args, batch, compile=True,
+                             length=length)]
+        servers = [s for s in servers if s.name in wanted]
+        rounds = run_servers([servers], fresh, args, save)
         compile_s = {s.name: s.compile_s for s in servers if s.compile_s is not None}
     rows = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
             for name, results in rounds.items()}
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:  # per round, then the median
-        if a not in rounds or b not in rounds:
-            return None
-        return statistics.median(x[key] / y[key] for x, y in zip(rounds[a], rounds[b]))
+        pairs = [(x[key], y[key]) for x, y in zip(rounds.get(a, []), rounds.get(b, []))
+                 if math.isfinite(x[key]) and math.isfinite(y[key]) and y[key] > 0]  # a load too short to time: none
+        return statistics.median(x / y for x, y in pairs) if pairs else None
 
     ratios = {"batching": ratio("bitune", "bitune_batch1"), "bitune_vs_pretrained": ratio("bitune", "pretrained"),
               "bitune_vs_pretrained_bound": _median_or_none([cost_model_bound(b, p) for b, p in

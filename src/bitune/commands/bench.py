@@ -148,9 +148,12 @@ def run(args) -> int:
         check_replaces_own(args.output, "--output", "a benchmark record (a JSON object with a 'model')",
                            lambda record: isinstance(record, dict) and "model" in record)
     module = importlib.import_module(f"bitune.bench.{args.bench}")  # bench_<what>(args) -> dict runs it
+    from ..bench.helpers import write_json
+
+    # a benchmark that measures in parts hands each finished one here as it ends (a record with "partial": true),
+    # so a failure later loses nothing measured
+    args.save_part = (lambda record: write_json(record, args.output)) if args.output else None
     result = getattr(module, f"bench_{args.bench}")(args)
     if args.output:
-        from ..bench.helpers import write_json
-
         write_json(result, args.output)
     return 0

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from ..errors import BituneError
@@ -109,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         keep = tuple(("a file of the checkpoint", p) for p in ckpt_files if p.name != RESULT_FILE)
         check_output_file(out, "--output", keep=(*keep, *model_inputs(args)[1:]))  # and --model/--base folders
         check_replaces_own(out, "--output", "an evaluation result", is_result)
+    card = card_to_refresh(args.checkpoint, out)  # before the evaluation: it never fails after it
     if args.num_processes > 1:
         from .launcher import launch
 
@@ -122,8 +125,29 @@ def run(args: argparse.Namespace) -> int:
                      seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
                      template=args.template, prompt_passes=args.prompt_passes, merge=merge_mode(args),
                      split=args.split)
-    if args.checkpoint and out is not None:  # the checkpoint's model card shows the results just written
+    if card:  # the checkpoint's model card shows the results just written
         from ..modelcard import refresh_evaluation
 
         refresh_evaluation(args.checkpoint)
     return 0
+
+
+def card_to_refresh(checkpoint: str | None, out: Path | None) -> bool:
+    """Whether the checkpoint's model card is to show the result written to ``out``: only when ``out`` is the
+    result the card reads (``eval.json`` in the checkpoint or, for a run's ``final/``, beside it), and the card is
+    bitune's and may be written. A card that may not (a read-only checkpoint) is left as it is, said here, before
+    the evaluation: the user asked for the result, not for the card."""
+    if not checkpoint or out is None:
+        return False
+    from ..modelcard import CARD_FILE, is_ours
+
+    folder = Path(checkpoint)
+    if out.resolve() not in {(folder / RESULT_FILE).resolve(), (folder.parent / RESULT_FILE).resolve()}:
+        return False
+    card = folder / CARD_FILE
+    if not is_ours(card):
+        return False
+    if not (os.access(card, os.W_OK) and os.access(folder, os.W_OK | os.X_OK)):
+        print(f"bitune eval: {card} is not writable: its evaluation section is left as it is", file=sys.stderr)
+        return False
+    return True

@@ -29,11 +29,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", metavar="NAME", help="base model to load instead of the one the checkpoint records")
 
 
-EXPORT_WRITES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
-                 "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
-                 "chat_template.jinja", "vocab.json", "merges.txt", "bitune")
-"""Names an export writes (the model's and the tokenizer's ``save_pretrained``, and ``bitune/``): in an earlier
-export, anything else is the user's and is kept."""
+EXPORT_WRITES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                 f"model-{'[0-9]' * 5}-of-{'[0-9]' * 5}.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.txt", "special_tokens_map.json",
+                 "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                 "bitune")
+"""Names an export writes (the model's and the tokenizer's ``save_pretrained``, each file by its exact name, and
+``bitune/``): in an earlier export, anything else (``tokenizer_notes.txt`` too) is the user's and is kept."""
 
 
 def needed_models(checkpoint: str, base: str | None) -> tuple[tuple[str, str | None], ...]:

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         check_text(args.prompt, "--prompt")
     if args.output is not None:  # "" too: an error, not stdout
         check_output_file(args.output, "--output", keep=(("--input", args.input), *model_inputs(args)))
-        check_replaces_own(args.output, "--output", "answers written by bitune generate", is_answers, jsonl=True)
+        check_replaces_own(args.output, "--output", "answers written by bitune generate", is_answers, form="jsonl")
     records, prompts = read_prompts(args.input) if args.prompt is None else ([], [])  # fail before loading
     sampling = sampling_options(args)
     model, tokenizer = load_bitune(args.checkpoint, args.model, args.base, args.dtype, args.device, args.prompt_passes,

@@ -8,7 +8,7 @@ import sys
 
 from ..config import TEMPLATES
 from ..errors import BituneError
-from ..files import check_output_dir, check_text
+from ..files import check_output_dir, check_replaces_own, check_text, is_figure
 from ..generation import pick_template
 from ..loading import load_bitune
 from ..plot import ATTENTION_FILE, FINAL_FILE, STEPS_FILE, plot_attention, plot_mixing
@@ -48,7 +48,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.prompt.strip():
             raise BituneError("--prompt is empty")
         check_text(args.prompt, "--prompt")
-    check_output_dir(args.output, "--output")  # before the model loads
+    out = check_output_dir(args.output, "--output")  # before the model loads
+    for name in (STEPS_FILE, FINAL_FILE) if args.figure == "mixing" else (ATTENTION_FILE,):
+        check_replaces_own(out / name, "--output", "a figure written by bitune plot", is_figure, form="bytes")
     if args.figure == "mixing":
         paths = plot_mixing(args.log, args.output)
     else:

@@ -27,7 +27,7 @@ from ..eval.report import (
     title_of,
     write_report,
 )
-from ..files import check_named, check_output_dir, check_output_file
+from ..files import check_named, check_output_dir, check_output_file, check_replaces_own, is_figure
 
 HELP = "aggregate evaluation runs over seeds into the paper's table"
 DEFAULT_BASELINES = "lora,pretrained"
@@ -62,6 +62,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "Bitune minus each baseline with its two-level interval and Holm p) into this Markdown "
                              "file, between its 'bitune report summary: begin' and 'end' marker lines (repeatable)")
 
+
+
+OUTPUTS = {"report.md": ("a report written by bitune report", "text", lambda text: text.startswith("# Report: ")),
+           "report.csv": ("a table written by bitune report", "text", lambda text: text.startswith("method,seeds,")),
+           "report.png": ("a figure written by bitune report", "bytes", is_figure)}
+"""The files a report writes into its folder: what an earlier one of each is (the kind, how it is read, the test);
+any other file of that name is the user's and is never replaced."""
+
+
+def check_outputs(output: Path, what: str, figure: bool = True) -> list[Path]:
+    """The report's files in ``output``, checked before any work: each writable and, where one exists, an earlier
+    report's (:func:`bitune.files.check_replaces_own`). ``sweep`` calls it before its first run trains.
+
+    Raises:
+        BituneError: naming ``what`` (the option that gave the folder), the file and the problem.
+    """
+    files = []
+    for name, (kind, form, earlier) in OUTPUTS.items():
+        if name == "report.png" and not figure:
+            continue
+        files.append(check_output_file(output / name, what))
+        check_replaces_own(output / name, what, kind, earlier, form=form)
+    return files
 
 
 def default_output(paths: list[str]) -> Path:
@@ -109,9 +132,12 @@ def run(args: argparse.Namespace) -> int:
         summary = build_summary(analysis, args.metric, args.gsm8k_metric, source=f"[{full}]({full})")
         embeds.append((document, summary, SUMMARY_BEGIN, SUMMARY_END, "--embed-summary"))
     figure = tasks and not args.no_figure
-    for name in ("report.md", "report.csv", *(["report.png"] if figure else [])):  # every target checked first
-        check_output_file(output / name, "--output")
+    written = {p.resolve() for p in check_outputs(output, "--output" if args.output is not None else
+                                                  "the report's folder", figure)}  # every target checked first
     for document, _, begin, end, option in embeds:
+        if document.expanduser().resolve() in written:
+            raise BituneError(f"{option} {document} is a file the report itself writes into {output}: embed into "
+                              "another document")
         check_embed(document, begin, end, option)
     if settings_file is not None:
         print(f"bitune report: method order and fair baselines from {settings_file}")

@@ -16,6 +16,7 @@ import socket
 import sys
 
 from ..errors import BituneError
+from ..inputs import MIN_PROMPT_TOKENS
 from .options import HelpFormatter, add_model_options, merge_mode
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching)"
@@ -142,8 +143,11 @@ def check_options(args: argparse.Namespace) -> None:
     if not args.host.strip():
         raise BituneError(f"--host {args.host!r} is empty: give an address to listen on, e.g. 127.0.0.1 (this "
                           "machine) or 0.0.0.0 (every interface)")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise BituneError(f"--max-model-len {args.max_model_len}: must be >= 2 (a prompt token and an answer token)")
+    shortest = MIN_PROMPT_TOKENS + 1  # the shortest prompt a request may send, and one answer token
+    if args.max_model_len is not None and args.max_model_len < shortest:
+        raise BituneError(f"--max-model-len {args.max_model_len}: must be >= {shortest} (a request's prompt has at "
+                          f"least {MIN_PROMPT_TOKENS} tokens, and its answer one); below that every request is "
+                          "refused")
     args.buckets = None
     if args.compile_buckets is not None:
         if not args.compile:
@@ -161,6 +165,34 @@ def check_options(args: argparse.Namespace) -> None:
                           "leave the option out (default: the checkpoint or model)")
 
 
+def check_cache_memory(model, slots: int, length: int, length_given: bool) -> None:
+    """The compiled slot cache's bytes, computed before it is allocated, against the memory free on the model's
+    device (CUDA: free device memory; CPU: available RAM; elsewhere unchecked).
+
+    Raises:
+        BituneError: one line naming --max-batch-size and --max-model-len, the bytes needed and free.
+    """
+    from ..serve.slots import cache_bytes
+
+    param = next(model.parameters())
+    need = cache_bytes(model.text_config, slots, length, param.dtype)
+    if param.device.type == "cuda":
+        import torch
+
+        free = torch.cuda.mem_get_info(param.device)[0]
+    elif param.device.type == "cpu":
+        import psutil
+
+        free = psutil.virtual_memory().available
+    else:
+        return
+    if need > free:
+        given = f"--max-model-len {length}" if length_given else f"--max-model-len {length} (the default)"
+        raise BituneError(f"--compile with --max-batch-size {slots} x {given}: the slot cache needs {need} bytes "
+                          f"({need / 2**30:.1f} GiB), more than the {free} bytes ({free / 2**30:.1f} GiB) free on "
+                          f"{param.device}; lower --max-batch-size or --max-model-len")
+
+
 def compiled_batch(model, served, args: argparse.Namespace):
     """``--compile``: the slot batch, its step compiled for every bucket now (timed and printed, with the memory
     the slots hold); ``served.context`` becomes the slots' length."""
@@ -170,6 +202,7 @@ def compiled_batch(model, served, args: argparse.Namespace):
     decode_compile_config(next(model.parameters()).device)  # a CPU without a C++ compiler fails here, in one line
     length = served.context if args.max_model_len else min(served.context or COMPILE_DEFAULT_LEN, COMPILE_DEFAULT_LEN)
     served.context = length
+    check_cache_memory(model, args.max_batch_size, length, args.max_model_len is not None)
     print(f"bitune serve: compiling the decoding step for batch sizes {args.buckets or 'by default'} over "
           f"{args.max_batch_size} slots x {length} positions...", file=sys.stderr)
     batch = SlotBatch(model, args.max_batch_size, length, args.buckets)

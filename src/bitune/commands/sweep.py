@@ -30,6 +30,7 @@ from ..records import RESULT_FILE, record_splits
 from ..train import load_settings
 from ..train import train as train_run
 from ..train.settings import read_yaml
+from . import report
 from .options import add_threads_option
 
 HELP = "train and evaluate methods x seeds, then report"
@@ -140,13 +141,17 @@ def evaluate_run(**kwargs) -> dict | None:
     return evaluate(**kwargs)
 
 
-def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
+def check_done(result: Path, splits: dict[str, str], limit: int | None, model: str | None = None) -> bool:
     """Whether ``result`` (a run's ``eval.json``) exists and holds this sweep's tasks (``{task: split}``) and
-    ``--limit``; one that holds others is an error (a report from it would show other questions than asked for).
-    A record without ``splits`` was made on the reported splits."""
+    ``--limit`` (and base ``model``, when given); one that holds others is an error (a report from it would show
+    other questions, or another model, than asked for). A record without ``splits`` was made on the reported
+    splits."""
     if not result.is_file():
         return False
     record = load_records([result])[0]
+    if model is not None and record["config"].get("model") != model:
+        raise BituneError(f"{result} holds an evaluation of the base model {record['config'].get('model')!r}; "
+                          f"this sweep trains {model!r}. Use another --output-dir")
     done, was = record_splits(record), record["config"].get("limit")
     if done != splits or was != limit:
         def say(s: dict[str, str]) -> str:
@@ -157,14 +162,19 @@ def check_done(result: Path, splits: dict[str, str], limit: int | None) -> bool:
     return True
 
 
-def earlier_runs(out: Path, planned: list[Path], splits: dict[str, str], limit: int | None) -> list[Path]:
+def earlier_runs(out: Path, planned: list[Path], splits: dict[str, str], limit: int | None,
+                 model: str) -> list[Path]:
     """The other ``eval.json`` files the folder's report reads (``bitune report OUTPUT_DIR``: every one below it, or
-    the folders its ``report.yaml`` names), beside the sweep's own runs. Each must hold this sweep's split of every
-    task the two share, and its ``--limit``: the report pools them with the sweep's runs, and would otherwise mix
-    other questions in (or fail after the training)."""
+    the folders its ``report.yaml`` names), beside the sweep's own runs. Each must be of the sweep's base ``model``
+    and hold this sweep's split of every task the two share, and its ``--limit``: the report pools them with the
+    sweep's runs, and would otherwise mix other questions or another model in (or fail after the training)."""
     own = {p.resolve() for p in planned}
     files = [f for f in results_below(out) if f.resolve() not in own]
     for f, record in zip(files, load_records(files)):
+        if record["config"].get("model") != model:
+            raise BituneError(f"{out} holds {f}, a run of the base model {record['config'].get('model')!r}; this "
+                              f"sweep trains {model!r}, and its report covers every run in its folder and must "
+                              "not pool them. Use another --output-dir")
         done, was = record_splits(record), record["config"].get("limit")
         clash = sorted(t for t in done.keys() & splits.keys() if done[t] != splits[t])
         if clash or was != limit:
@@ -173,6 +183,22 @@ def earlier_runs(out: Path, planned: list[Path], splits: dict[str, str], limit: 
             raise BituneError(f"{out} holds {f}, evaluated with {what}; the sweep's report covers every run in "
                               "its folder and must not pool them. Use another --output-dir")
     return files
+
+
+def run_settings(args: argparse.Namespace, method: Method, seed: int, run_dir: Path):
+    """The training settings of one run (the config, the method's overlay or variant, the seed, the run's folder),
+    read before any run trains, so a bad setting of a later method stops the sweep before the first.
+
+    Raises:
+        BituneError: a setting is invalid (naming the method's file, when the method is one).
+    """
+    try:
+        return load_settings(method.configs(args.config),
+                             [*args.overrides, *method.overrides(), f"seed={seed}", f"output_dir={run_dir}"])
+    except BituneError as e:
+        if method.overlay is None or str(method.overlay) in str(e):
+            raise
+        raise BituneError(f"method file {method.overlay}: {e}") from e
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,10 +216,14 @@ def run(args: argparse.Namespace) -> int:
     plan = [(m, None) for m in methods if m.variant == "pretrained"]
     plan += [(m, seed) for seed in seeds for m in methods if m.variant != "pretrained"]
     results = [out / (m.label if seed is None else f"{m.label}-{seed}") / RESULT_FILE for m, seed in plan]
-    earlier = earlier_runs(out, results, splits, args.limit)  # before anything trains
-    for (method, seed), result in zip(plan, results):
+    earlier = earlier_runs(out, results, splits, args.limit, base_model)  # before anything trains
+    report.check_outputs(out, "--output-dir")  # the report it ends with replaces no file of the user's
+    done = [check_done(result, splits, args.limit, base_model) for result in results]  # every run's eval.json, read now
+    settings = [None if seed is None else run_settings(args, method, seed, result.parent)
+                for (method, seed), result in zip(plan, results)]  # every run's settings, checked now
+    for (method, seed), result, finished, prepared in zip(plan, results, done, settings):
         run_dir = result.parent
-        if check_done(result, splits, args.limit):
+        if finished:
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
             continue
         if seed is None:
@@ -202,8 +232,6 @@ def run(args: argparse.Namespace) -> int:
             continue
         final = run_dir / "final"
         if not (final / "bitune_config.json").is_file():
-            settings = load_settings(method.configs(args.config),
-                                     [*args.overrides, *method.overrides(), f"seed={seed}", f"output_dir={run_dir}"])
             resume = any(run_dir.glob("checkpoint-*"))
             restart = not resume and run_dir.exists()
             if restart:  # an interrupted run with nothing to resume: the trainer replaces its own files only
@@ -211,11 +239,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"bitune sweep: training {method.label} seed {seed} -> {run_dir}")
             # train's own --overwrite: under the run's lock (never a run in progress), once the model and data
             # have loaded, and only what a run writes (checkpoints, final/, log, settings), not other files
-            train_run(settings, resume=resume, overwrite=restart)
+            train_run(prepared, resume=resume, overwrite=restart)
         evaluate_run(checkpoint=str(final), tasks=args.tasks, limit=args.limit, batch_size=args.batch_size,
                      device=args.device, label=method.label, output=result, split=args.split)
-    from . import report  # 'bitune report OUTPUT_DIR': the folder's runs, earlier sweeps' with this one's
-
+    # 'bitune report OUTPUT_DIR': the folder's runs, earlier sweeps' with this one's
     parser = argparse.ArgumentParser(prog="bitune report")
     report.configure(parser)
     return report.run(parser.parse_args([*map(str, earlier + results), "--output", str(out), "--metric", args.metric]))

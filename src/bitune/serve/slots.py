@@ -25,6 +25,7 @@ slightly faster than it).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -86,6 +87,19 @@ class SlotCache(Cache):
         return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
 
+def cache_shape(config, slots: int, length: int) -> tuple[int, tuple[int, int, int, int]]:
+    """The layers of a slot cache over a model's text ``config`` and each layer's key (and value) shape
+    ``(slots, kv_heads, length, head_dim)``."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, (slots, config.num_key_value_heads, length, head_dim)
+
+
+def cache_bytes(config, slots: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes the keys and values of a slot cache hold (:attr:`SlotCache.nbytes`), computed before allocating."""
+    layers, shape = cache_shape(config, slots, length)
+    return 2 * layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
 def default_buckets(slots: int) -> list[int]:
     """Powers of two below ``slots``, and ``slots``: 16 -> [1, 2, 4, 8, 16]."""
     return sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
@@ -117,9 +131,8 @@ class SlotBatch:
         self.model, self.slots, self.length, self.buckets = model, slots, length, buckets
         self.weights = model.weights
         self.dtype, self.device = param.dtype, param.device
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = SlotCache(config.num_hidden_layers, slots, config.num_key_value_heads, head_dim, length,
-                               self.dtype, self.device)
+        layers, (_, kv_heads, _, head_dim) = cache_shape(config, slots, length)
+        self.cache = SlotCache(layers, slots, kv_heads, head_dim, length, self.dtype, self.device)
         self.positions = self.cache.write_at.view(slots, 1)  # (slots, 1) each row's pending token's position
         self.tokens = torch.zeros(slots, 1, dtype=torch.long, device=self.device)  # (slots, 1) pending tokens
         self.columns = torch.arange(length, device=self.device)  # (length,)

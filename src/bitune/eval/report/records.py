@@ -27,9 +27,18 @@ def task_title(task: str) -> str:
     return TASK_TITLES.get(task, task)
 def results_below(folder: Path) -> list[Path]:
     """Every ``eval.json`` below ``folder`` (sorted per searched folder), or, where it holds a ``report.yaml``
-    whose ``runs`` names its report's folders, below those only; none found is an empty list."""
+    whose ``runs`` names its report's folders, below those only; none found is an empty list.
+
+    Raises:
+        BituneError: ``runs`` names a folder that does not exist (its methods would be missing from the report
+            without a word).
+    """
     runs = read_settings(folder / SETTINGS_FILE).runs if (folder / SETTINGS_FILE).is_file() else None
-    searched = [folder] if runs is None else [folder / run for run in runs if (folder / run).is_dir()]
+    missing = [run for run in runs or () if not (folder / run).is_dir()]
+    if missing:
+        raise BituneError(f"{folder / SETTINGS_FILE}: runs names {missing[0]!r}, but {folder / missing[0]} is not a "
+                          "folder; make it, or take it out of runs")
+    searched = [folder] if runs is None else [folder / run for run in runs]
     return [f for d in searched for f in sorted(d.rglob(RESULT_FILE))]
 
 

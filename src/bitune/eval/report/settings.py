@@ -37,7 +37,8 @@ class ReportSettings:
     runs: tuple[str, ...] | None = None
     """Folders, relative to the ``report.yaml``, whose runs make the study's report when ``bitune report`` is
     given the study's folder (e.g. the reported split's, leaving out a ``tuning/`` folder of runs on another
-    split); a folder not made yet is skipped. None (the default): every run below the study's folder."""
+    split); each must exist (a missing one is an error, not a method left out of the report). None (the
+    default): every run below the study's folder."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
