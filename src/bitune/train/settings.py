@@ -179,9 +179,16 @@ class TrainSettings:
         """Build from a (nested) dict, rejecting unknown keys with the closest allowed one."""
         if not isinstance(data, dict):
             raise BituneError(f"settings must be a mapping of keys to values, got {type(data).__name__}")
+        given = {new: old for old, new in RENAMED_KEYS.items() if old in data and new not in data}
         data = upgrade(data)
         _check_keys(data, field_names(cls), "")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except BituneError as e:  # name the key the user wrote, not the one it was read as
+            new = next((new for new in given if str(e).startswith(f"{new}=")), None)
+            if new is None:
+                raise
+            raise BituneError(f"{given[new]}{str(e)[len(new):]} ({given[new]} is the older name of {new})") from e
 
 
 def upgrade(data: dict[str, Any]) -> dict[str, Any]:
