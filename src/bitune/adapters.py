@@ -196,17 +196,30 @@ def _bound(layer: LoraLinear, routing: Routing):
     return forward
 
 
-def own_linears(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` that subclass ``nn.Linear`` with a forward of their own (MoE routers that
-    return a tuple of scores and indices: Llama 4, PhiMoE). PEFT's ``all-linear`` would adapt them as plain linear
-    layers and add its update to whatever they return; ``all-linear`` leaves them out."""
-    return [name for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
+def tuple_linears(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that subclass ``nn.Linear`` with a forward of their own that does not
+    return a tensor (MoE routers that return scores and expert indices: Llama 4, PhiMoE). PEFT's ``all-linear``
+    would adapt them as plain linear layers and add its update to whatever they return; ``all-linear`` leaves
+    them out. Each candidate is called on a zero input ((1, 1, d), else (4, d) tokens)."""
+    names = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward:
+            continue
+        for shape in ((1, 1, m.in_features), (4, m.in_features)):  # tokens as (B, T, d) or flattened
+            try:
+                with torch.no_grad():
+                    out = m(torch.zeros(shape, dtype=m.weight.dtype, device=m.weight.device))
+            except Exception:  # noqa: BLE001, S112 - a forward that needs more: the next shape, else PEFT decides
+                continue
+            if not isinstance(out, torch.Tensor):
+                names.append(name)
+            break
+    return names
 
 
 def _peft_config(config: BituneConfig, model: nn.Module):
     if config.method in ("lora", "dora"):
-        exclude = own_linears(model) if config.target_modules == "all-linear" else []
+        exclude = tuple_linears(model) if config.target_modules == "all-linear" else []
         return LoraConfig(
             r=config.rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=config.target_modules, use_dora=config.method == "dora", bias="none",

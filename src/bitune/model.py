@@ -43,7 +43,7 @@ from .mixer import Mixer
 from .modelcard import Training
 from .outputs import BituneOutput, answer_loss, token_logprobs
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
-from .support import Support, agree, check_model, evaluating, passes_obey_masks, refuse
+from .support import Support, UnsupportedModelError, agree, check_model, evaluating, passes_obey_masks, refuse
 
 BATCHED_PREFILL_MAX_POSITIONS = 256
 """Prompt positions per pass (B x T) up to which ``prompt_passes="auto"`` reads both passes as one batched forward;
@@ -203,16 +203,23 @@ class BituneModel(nn.Module):
             return
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         mask = torch.ones(1, 2, dtype=torch.long, device=device)
-        with torch.enable_grad():
-            cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
-            k, v = kv.layer_kv(cache, self.num_layers - 1)
-            if weights == "bidir":
-                self.weights.freeze_unreached("bidir", k.sum() + v.sum())
-        if self.config.single_pass:
-            return  # no prompt passes: a plain causal forward
-        with evaluating(self):
-            self._check_passes(device)
-            self._check_fast_paths(device)
+        try:
+            with torch.enable_grad():
+                cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
+                k, v = kv.layer_kv(cache, self.num_layers - 1)
+                if weights == "bidir":
+                    self.weights.freeze_unreached("bidir", k.sum() + v.sum())
+            if self.config.single_pass:
+                return  # no prompt passes: a plain causal forward
+            with evaluating(self):
+                self._check_passes(device)
+                self._check_fast_paths(device)
+        except UnsupportedModelError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a prompt pass this model cannot run: refused, not a crash later
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            raise refuse(base, f"a prompt pass (a forward over a transformers cache with a 4D mask and "
+                               f"position ids) fails: {type(e).__name__}: {first}") from e
         if self.support.note:
             logging.getLogger("bitune").warning("%s: %s", type(base).__name__, self.support.note)
 
@@ -253,28 +260,33 @@ class BituneModel(nn.Module):
             plain = logits("sequential")
             names = [w for w, _ in self.config.passes]
             if self.weights.can_route(names) and len(names) == 2:
-                try:
-                    if not agree(logits("batched"), plain):
-                        self.weights.route_ok, self.support.routed = False, False
-                        self.support.note = "the prompt passes batched as one forward disagree with them one by one"
-                except RoutingError as e:
+                problem = self._disagrees(logits, "batched", plain)
+                if problem:
                     self.weights.route_ok, self.support.routed = False, False
-                    self.support.note = f"LoRA weight sets cannot be routed per row ({e})"
+                    self.support.note = f"the prompt passes batched as one forward {problem}"
             if self.weights.can_route(names + ["causal"]):
-                try:
-                    if not agree(logits("fused"), plain):
-                        self.support.fused = False
-                        self.support.note = ("the fused forward disagrees with the passes read one by one (the model "
-                                             "computes attention or positions outside transformers' attention "
-                                             "interface)")
-                except RoutingError as e:
+                problem = self._disagrees(logits, "fused", plain)
+                if problem:
                     self.support.fused = False
-                    self.support.note = f"LoRA weight sets cannot be routed per position ({e})"
+                    self.support.note = f"the fused forward {problem}"
             if self.support.note:
                 self.support.note += "; it runs the prompt passes " + (
                     "batched" if self.prefill_path() == "batched" else "one by one")
         finally:
             self._prompt_passes = chosen
+
+    @staticmethod
+    def _disagrees(logits: Callable[[str], torch.Tensor], path: str, plain: torch.Tensor) -> str | None:
+        """What is wrong with ``path``'s logits against the passes read one by one (``plain``), or None."""
+        try:
+            if agree(logits(path), plain):
+                return None
+            return ("disagrees with the passes read one by one (the model computes attention or positions outside "
+                    "transformers' attention interface)")
+        except RoutingError as e:
+            return f"cannot route LoRA weight sets ({e})"
+        except Exception as e:  # noqa: BLE001 - a fast path this model cannot run is switched off
+            return f"fails ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
 
     # ----------------------------------------------------------------------------------------------- passes
     def decoder_layers(self) -> list[nn.Module]:
