@@ -201,7 +201,6 @@ def test_seeds_that_disagree_while_questions_agree_do_not_resolve():
     assert test.seed_aware and test.pairs == 3
     assert test.p > 0.2 and test.interval.low < 0 < test.interval.high
     assert test.interval.value == pytest.approx(0.05)
-    assert test.df == pytest.approx(2, abs=0.5)  # the seeds dominate: about the paired t over 3 seed pairs
 
 
 def test_a_consistent_effect_resolves_after_holm():
@@ -221,14 +220,14 @@ def test_one_seed_pair_is_the_question_level_t_and_says_so():
 
     diff = np.r_[np.ones(30), -np.ones(10), np.zeros(60)][None, :]  # (1, 100)
     test = seed_aware_test(diff)
-    assert not test.seed_aware and test.pairs == 1 and test.df == 99
+    assert not test.seed_aware and test.pairs == 1
     assert test.p == pytest.approx(ttest_1samp(diff[0], 0.0).pvalue, rel=1e-9)
 
 
 def test_pooled_seed_aware_of_one_task_is_its_test_and_tasks_weigh_the_same():
     diff = _seeds_disagree(200)
     one, alone = pooled_seed_aware_test([diff]), seed_aware_test(diff)
-    assert (one.p, one.df) == pytest.approx((alone.p, alone.df)) and one.interval == alone.interval
+    assert one.p == pytest.approx(alone.p) and one.interval == alone.interval
     both = pooled_seed_aware_test([diff, np.zeros((3, 50))])
     assert both.interval.value == pytest.approx(diff.mean() / 2)  # each task weighs the same
 

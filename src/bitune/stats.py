@@ -8,10 +8,10 @@ questions were drawn, and which training seeds. :func:`bootstrap_mean` and :func
 permute questions only (given these trained models). :func:`two_level_bootstrap` resamples seed pairs, then
 questions within them, but with S seed pairs its seed-level variance is (S - 1) / S of the sample's (2/3 at
 S = 3) and its percentile interval is too short at few seeds. :func:`seed_aware_test` is the test a report
-decides "resolved" by: a t-test of the mean difference whose variance is the sum of the paired t's over seed
-pairs and the question-level t's, with Satterthwaite's degrees of freedom (near S - 1 when the seeds disagree,
-near n - 1 when they agree). With one seed pair the seed part cannot be estimated: :attr:`SeedTest.seed_aware` is
-False and the test is the question-level t.
+decides "resolved" by: a t whose variance is a paired t's over seed pairs plus a question-level t's, with
+Satterthwaite's degrees of freedom, so it covers other training seeds and other questions.
+With one seed pair the seed part cannot be estimated: :attr:`SeedTest.seed_aware` is False and the test is the
+question-level t.
 Resampling uses a fixed seed, so a report is reproducible to the digit.
 """
 
@@ -212,11 +212,9 @@ class SeedTest:
     """A paired difference tested with seeds and questions as sources of variation (:func:`seed_aware_test`)."""
 
     interval: Interval
-    """The mean difference with its t-interval (``LEVEL``)."""
+    """The mean difference with the seed-aware interval (``LEVEL``)."""
     p: float
     """Two-sided p-value that the expected difference (over other questions and training seeds) is zero."""
-    df: float
-    """Satterthwaite's degrees of freedom of the t."""
     pairs: int
     """The fewest seed pairs of a task in it (1: the seed part could not be estimated)."""
 
@@ -226,45 +224,50 @@ class SeedTest:
         return self.pairs >= 2
 
 
-def _variance(diff: np.ndarray) -> tuple[float, float]:
-    """Variance of the mean of a (S, n) difference table and its Satterthwaite degrees of freedom.
-
-    The sum of the seed part, the variance of the S per-seed-pair means over S (what a paired t over seed pairs
-    uses), and the question part, the variance of the n seed-averaged per-question differences over n (what a
-    question-level t uses). Each also holds the per-question noise between seeds once, so the sum counts it twice:
-    conservative (its coverage is measured in docs/guides/evaluation.md). With S = 1 only the question part exists
-    (n - 1 degrees of freedom).
-    """
+def _parts(diff: np.ndarray) -> tuple[float, float, int, int]:
+    """The seed part ``a`` (the variance of the S per-seed-pair means over S: a paired t over seed pairs) and the
+    question part ``b`` (the variance of the n seed-averaged per-question differences over n: a question-level t)
+    of the variance of the mean of a (S, n) table, with their degrees of freedom S - 1 and n - 1 (``a`` is 0
+    with one seed pair)."""
     S, n = diff.shape
-    b = float(diff.mean(axis=0).var(ddof=1)) / n if n > 1 else 0.0  # question part
-    if S < 2:
-        return b, float(max(n - 1, 1))
-    a = float(diff.mean(axis=1).var(ddof=1)) / S  # seed part
-    total = a + b
-    if total == 0.0:
-        return 0.0, float(S - 1)
-    return total, total ** 2 / (a ** 2 / (S - 1) + (b ** 2 / (n - 1) if n > 1 else 0.0))
+    a = float(diff.mean(axis=1).var(ddof=1)) / S if S > 1 else 0.0
+    b = float(diff.mean(axis=0).var(ddof=1)) / n if n > 1 else 0.0
+    return a, b, S - 1, n - 1
 
 
-def _t_test(mean: float, variance: float, df: float, pairs: int, level: float) -> SeedTest:
+def _t(mean: float, terms: list[tuple[float, int]], level: float) -> tuple[Interval, float]:
+    """t-interval and two-sided p of ``mean`` whose variance is the sum of ``terms`` ``(variance, df)``, with
+    Satterthwaite's degrees of freedom (terms without degrees of freedom left out)."""
     from scipy.stats import t
 
-    se = math.sqrt(max(variance, 0.0))
-    if se == 0.0:  # every difference equal: no spread to test against
-        p = 1.0 if mean == 0 else 0.0
-        return SeedTest(Interval(mean, mean, mean), p, df, pairs)
+    terms = [(v, df) for v, df in terms if df > 0]
+    variance = sum(v for v, _ in terms)
+    if variance <= 0.0:  # no spread at all: every difference equal
+        return Interval(mean, mean, mean), (1.0 if mean == 0 else 0.0)
+    df = variance ** 2 / sum(v ** 2 / df for v, df in terms)
+    se = math.sqrt(variance)
     half = float(t.ppf((1.0 + level) / 2.0, df)) * se
-    return SeedTest(Interval(mean, mean - half, mean + half), float(2.0 * t.sf(abs(mean) / se, df)), df, pairs)
+    return Interval(mean, mean - half, mean + half), float(2.0 * t.sf(abs(mean) / se, df))
+
+
+def _seed_aware(mean: float, parts: list[tuple[float, float, int, int]], weight: float, level: float) -> SeedTest:
+    """The seed-aware test of ``mean`` from each task's :func:`_parts`, each part scaled by ``weight``: a t whose
+    variance is the sum of the seed and question parts, with Satterthwaite's degrees of freedom (the question
+    part alone where a task has one seed pair)."""
+    interval, p = _t(mean, [(weight * x, df) for a, b, s1, n1 in parts for x, df in ((a, s1), (b, n1))], level)
+    return SeedTest(interval, p, min(s1 for _, _, s1, _ in parts) + 1)
 
 
 def seed_aware_test(differences: np.ndarray, level: float = LEVEL) -> SeedTest:
-    """Mean paired difference with a t-test and interval covering other questions and other training seeds.
+    """Mean paired difference with a test and interval that cover other questions and other training seeds.
 
-    The variance of the mean is the paired t's over seed pairs (the per-seed-pair means' variance over S) plus
-    the question-level t's (the seed-averaged per-question differences' variance over n), and the t has
-    Satterthwaite's degrees of freedom: so it is about the paired t over seed pairs when the seeds disagree and
-    the question-level t when they agree; its variance is never below either's. With one seed pair the seed part
-    is not estimable and the result is the question-level t (:attr:`SeedTest.seed_aware` False).
+    A t whose variance is the sum of a paired t's over seed pairs (the variance of the S per-seed-pair
+    differences over S: how the difference varies between training runs) and a question-level t's (the variance
+    of the n seed-averaged per-question differences over n: which questions were drawn), with Satterthwaite's
+    degrees of freedom: near S - 1 when the seeds dominate, near n - 1 when the questions do. Each part also
+    holds the per-question noise between seeds once, so the sum counts it twice (conservative). With one seed
+    pair the seed part is not estimable and the result is the question-level t (:attr:`SeedTest.seed_aware`
+    False).
 
     Args:
         differences: (S, n) per seed pair and question, the method's correctness minus the baseline's.
@@ -279,13 +282,12 @@ def seed_aware_test(differences: np.ndarray, level: float = LEVEL) -> SeedTest:
     diff = np.asarray(differences, dtype=np.float64)
     if diff.ndim != 2 or diff.size == 0:
         raise ValueError(f"seed_aware_test: need (seed pairs, questions) differences, got shape {diff.shape}")
-    variance, df = _variance(diff)
-    return _t_test(float(diff.mean()), variance, df, diff.shape[0], level)
+    return _seed_aware(float(diff.mean()), [_parts(diff)], 1.0, level)
 
 
 def pooled_seed_aware_test(differences: list[np.ndarray], level: float = LEVEL) -> SeedTest:
-    """:func:`seed_aware_test` of the task-averaged mean difference: each task's variance as there, their sum
-    over tasks squared, and Satterthwaite's degrees of freedom over the tasks.
+    """:func:`seed_aware_test` of the task-averaged mean difference: every task's parts divided by the tasks
+    squared and summed, Satterthwaite's degrees of freedom over them.
 
     Args:
         differences: per task, a (S_t, n_t) array (seed pairs x questions) of differences.
@@ -297,13 +299,8 @@ def pooled_seed_aware_test(differences: list[np.ndarray], level: float = LEVEL) 
     diffs = [np.asarray(d, dtype=np.float64) for d in differences]
     if not diffs or any(d.ndim != 2 or d.size == 0 for d in diffs):
         raise ValueError("pooled_seed_aware_test: need one (seed pairs, questions) array per task")
-    parts = [_variance(d) for d in diffs]
-    k = len(diffs)
-    variance = sum(v for v, _ in parts) / k ** 2
-    spread = sum((v / k ** 2) ** 2 / df for v, df in parts)
-    df = variance ** 2 / spread if spread > 0 else min(df for _, df in parts)
     mean = float(np.mean([d.mean() for d in diffs]))
-    return _t_test(mean, variance, df, min(d.shape[0] for d in diffs), level)
+    return _seed_aware(mean, [_parts(d) for d in diffs], 1.0 / len(diffs) ** 2, level)
 
 
 def pooled_two_level_bootstrap(differences: list[np.ndarray], resamples: int = BOOTSTRAP, level: float = LEVEL,

@@ -39,7 +39,7 @@ def _pairs_text(pairs: int) -> str:
 
 
 def _seed_p_text(test) -> str:
-    return f"{test.p:.3g} (df {test.df:.0f})"
+    return f"{test.p:.3g}"
 
 
 def accuracy_rows(tasks: dict[str, TaskRuns]) -> list[list[str]]:
@@ -219,10 +219,10 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                       "only the method / only the baseline gets right, and the exact McNemar p-value. Two-level: a "
                       "bootstrap that resamples seed pairs, then questions within them; at few seeds it "
                       "understates the variation between seeds (its seed-level variance is (S-1)/S of the "
-                      "sample's: 2/3 at 3 seed pairs). Seed-aware: a t-test whose variance is the paired t's over "
-                      "seed pairs plus the question-level t's, with Satterthwaite's degrees of freedom (df): it "
-                      "covers other training seeds and other questions (docs/guides/evaluation.md gives its "
-                      "measured coverage). Sign-flip p: a permutation test over questions (the per-question "
+                      "sample's: 2/3 at 3 seed pairs). Seed-aware: a t whose variance is a paired t's over seed "
+                      "pairs plus a question-level t's, with Satterthwaite's degrees of freedom: it covers other "
+                      "training seeds and other questions (docs/guides/evaluation.md gives its measured "
+                      "coverage). Sign-flip p: a permutation test over questions (the per-question "
                       f"differences' signs flipped at random, {BOOTSTRAP} draws; these trained models). Holm p: "
                       "the seed-aware p adjusted by Holm's method over the family of all "
                       f"{len(adjusted)} comparisons of this report (this table{' and the pooled one' if pools else ''}"
@@ -234,8 +234,8 @@ def build_markdown(records: list[dict], metric: str = "acc", gsm8k_metric: str =
                       "A method against a baseline on every task where both ran: the mean over tasks of the "
                       "per-task paired differences (each task weighs the same). Two-level 95% interval: per "
                       "task, seed pairs then questions are resampled, and the tasks' means averaged. Seed-aware: "
-                      "each task's seed-aware variance, summed over tasks (divided by the tasks squared), "
-                      "Satterthwaite's df over the tasks. Sign-flip p: the per-question differences' signs "
+                      "as per task, with each task's variance parts divided by the tasks squared and summed "
+                      "(Satterthwaite's degrees of freedom over them). Sign-flip p: the per-question differences' signs "
                       "flipped at random, each question weighted by 1 / (tasks x its task's questions). Holm p: "
                       "the seed-aware p, over the same family as above.\n",
                       markdown_table(POOLED_HEADER, [[*pooled_row(q), f"{p:.3g}"]
