@@ -36,6 +36,7 @@ KNOWN_CAUSES: dict[str, str] = {
     **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases built from the sequence length, not from "
                     "position_ids"),
     "gpt_neo": "its attention applies a causal mask of its own (a registered 'bias' buffer)",
+    "llama4_text": "chunked attention layers (local chunks of 8192 tokens by default)",
     **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
     **dict.fromkeys(("jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
                      "lfm2_moe", "qwen3_next", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "minimax",
@@ -44,6 +45,10 @@ KNOWN_CAUSES: dict[str, str] = {
                     "attention keys and values; a rule for the recurrent layers' states is not)"),
 }
 """model_type -> why such models fail a check (named in the refusal; the checks themselves decide)."""
+
+
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The layer types (``config.layer_types``) whose masks :mod:`bitune.masks` builds for every kind of pass."""
 
 
 @dataclass
@@ -135,6 +140,10 @@ def check_model(model: nn.Module) -> None:
         if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] != ids.shape[1]:
             kind = type(held[i]).__name__ if i < len(held) else "nothing"
             raise refuse(model, f"decoder layer {i} keeps no attention keys and values in the cache ({kind})")
+    unknown = sorted(set(getattr(text, "layer_types", None) or ()) - set(MASKED_LAYER_TYPES))
+    if unknown:
+        raise refuse(model, f"layer types {unknown} whose attention pattern the prompt passes' masks do not implement "
+                            f"(they implement {list(MASKED_LAYER_TYPES)})")
 
 
 def passes_obey_masks(first_keys, ids: torch.Tensor, vocab: int) -> str | None:
@@ -167,4 +176,4 @@ def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol * (b.float().abs().max().item() + 1)
 
 
-__all__ = ["KNOWN_CAUSES", "Support", "UnsupportedModelError", "agree", "check_model", "evaluating", "passes_obey_masks", "refuse"]
+__all__ = ["KNOWN_CAUSES", "MASKED_LAYER_TYPES", "Support", "UnsupportedModelError", "agree", "check_model", "evaluating", "passes_obey_masks", "refuse"]
