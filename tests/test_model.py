@@ -236,10 +236,13 @@ def test_saving_over_a_checkpoint_is_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
-def test_mixing_ratio_starts_at_one_half():
-    model = tiny_bitune(theta_init=0.001)
+@pytest.mark.parametrize("share", [None, 0.5])
+def test_mixing_ratio_starts_at_the_start_share_whatever_theta_init(share):
+    """Near causal (0.1) by default, one half (the paper's start) when asked."""
+    model = tiny_bitune(theta_init=0.001, **({} if share is None else {"init_share": share}))
     ratios = model.mixing_ratios()
-    assert torch.allclose(ratios["k"], torch.full((2,), 0.5)) and torch.allclose(ratios["v"], torch.full((2,), 0.5))
+    expected = torch.full((2,), 0.1 if share is None else 0.5)
+    assert torch.allclose(ratios["k"], expected) and torch.allclose(ratios["v"], expected)
 
 
 def test_mixing_runs_in_float32_for_bfloat16_models():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from bitune import BituneModel
+from bitune import BituneConfig, BituneModel
 from bitune.cli import main
 from bitune.data.collate import Collator
 from bitune.errors import BituneError
@@ -58,7 +58,8 @@ def trained_run(tmp_path_factory):
 def test_mixing_figures_have_one_curve_per_layer_and_end_at_the_trained_ratios(trained_run):
     run, model = trained_run
     steps, ratios = read_mixing_log(run / LOG_FILE)
-    assert steps == [0, 1, 2, 3] and ratios["k"][0] == ratios["v"][0] == [0.5] * LAYERS  # starts at the initial a
+    start = [pytest.approx(BituneConfig().init_share)] * LAYERS  # the run's recorded share (the default: 0.1)
+    assert steps == [0, 1, 2, 3] and ratios["k"][0] == ratios["v"][0] == start  # starts at the initial a
     curves, final = mixing_figures(steps, ratios)
     panels = [ax for ax in curves.axes if ax.get_lines()]
     assert len(panels) == 2 and len(curves.axes) == 3  # K, V and the layer colorbar
@@ -69,7 +70,7 @@ def test_mixing_figures_have_one_curve_per_layer_and_end_at_the_trained_ratios(t
             assert list(line.get_ydata()) == [r[layer] for r in ratios[key]]
         assert ax.get_xlabel() == "training step" and f"a_{key}" in ax.get_title()
     trained = model.mixing_ratios()
-    assert not torch.allclose(trained["k"], torch.full((LAYERS,), 0.5))  # training moved them
+    assert not torch.allclose(trained["k"], torch.full((LAYERS,), BituneConfig().init_share))  # training moved them
     (ax,) = final.axes
     lines = {line.get_label(): line for line in ax.get_lines()}
     for key in ("k", "v"):
@@ -106,7 +107,8 @@ def test_run_shorter_than_log_every_plots_a_line_from_step_0_and_warns(tmp_path,
     assert "only step 2 was logged" in curves.get_suptitle()
     for ax in curves.axes[:2]:
         for line in ax.get_lines():
-            assert list(line.get_xdata()) == [0, 2] and line.get_ydata()[0] == 0.5 and line.get_marker() == "o"
+            assert list(line.get_xdata()) == [0, 2] and line.get_marker() == "o"
+            assert line.get_ydata()[0] == pytest.approx(settings.bitune.init_share)  # the share the run recorded
 
 
 def test_log_without_mixing_ratios_is_a_one_line_error(tmp_path, capsys):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bitune import VARIANTS
+from bitune.config import PAPER_INIT_SHARE
 from bitune.reference import reference_loss
 from helpers.models import batch, perturb_adapters, tiny_bitune
 
@@ -17,7 +18,9 @@ TENSORS = dict(prompt_lens=(7, 3, 5), answer_lens=(2, 5, 3))  # gemma3's window 
 
 
 def _model(arch, attn, variant, method="lora", path="fused", scale=0.05):
-    model = tiny_bitune(arch, attn=attn, prompt_passes=path, variant=variant, method=method)
+    # the paper's start share: GOLDEN below was recorded from it (the library default starts nearer causal)
+    model = tiny_bitune(arch, attn=attn, prompt_passes=path, variant=variant, method=method,
+                        init_share=PAPER_INIT_SHARE)
     return perturb_adapters(model, scale=scale)
 
 

@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from bitune import BituneModel
+from bitune.config import PAPER_INIT_SHARE
 from bitune.data import sampling
 from bitune.errors import BituneError
 from bitune.train.run_folder import LOG_FILE, checkpoints
@@ -221,7 +222,9 @@ GOLDEN_TOL = 1e-4
 
 
 def golden_sums(tmp_path: Path, batch_size: int, grad_accum: int, steps: int, callbacks=(), **overrides):
-    """(sum, sum of |w|, sum of w^2) in float64 over all trained weights after a run of this shape."""
+    """(sum, sum of |w|, sum of w^2) in float64 over all trained weights after a run of this shape, from the
+    paper's start share (GOLDEN was recorded with it)."""
+    overrides.setdefault("bitune", {"variant": "bitune", "init_share": PAPER_INIT_SHARE})
     trainer, settings = make_trainer(tmp_path, data=samples(8), batch_size=batch_size, grad_accum=grad_accum,
                                      steps=steps, **overrides)
     for cb in callbacks:
