@@ -172,8 +172,27 @@ class BituneModel(nn.Module):
     def merge(self, bidir_copy: bool = False) -> BituneModel:
         """Merge the causal weight set into the base weights, in place, for inference
         (:meth:`bitune.adapters.WeightSets.merge` says what it does; ``bidir_copy`` also holds the bidir set
-        merged, in a copy of the adapted weights). Returns the model itself."""
-        self.weights.merge(bidir_copy)
+        merged, in a copy of the adapted weights). Returns the model itself.
+
+        The merge checks itself on a tiny padded batch: where the merged weights do not give the unmerged logits
+        (PEFT's merge of some fused expert layouts is inexact: LongCat-Flash), it is undone and the model stays
+        unmerged, at the unmerged model's speed and with its numbers, and says so (``support.note``, a logged
+        warning)."""
+        if self.merged or not self.weights.peft or next(self.parameters()).device.type == "meta":
+            self.weights.merge(bidir_copy)
+            return self
+        batch = self._probe_batch(next(self.parameters()).device)
+        with evaluating(self):
+            before = self.answer_logits(self.prefill(*batch[:2]), *batch[2:])
+            self.weights.merge(bidir_copy)
+            after = self.answer_logits(self.prefill(*batch[:2]), *batch[2:])
+        if not agree(after, before):
+            self.weights.unmerge()
+            diff = (after.float() - before.float()).abs().max().item()
+            self.support.merge = False
+            self.support.note = (f"merge() declined: PEFT's merge of this model's adapted layers moves its logits by "
+                                 f"{diff:.2g}; it runs unmerged")
+            logging.getLogger("bitune").warning("%s: %s", type(self.weights.base).__name__, self.support.note)
         return self
 
     def unmerge(self) -> BituneModel:
@@ -240,13 +259,7 @@ class BituneModel(nn.Module):
     def _check_fast_paths(self, device) -> None:
         """Run a tiny padded batch through every path this model would take and keep only the fast paths that
         agree with the passes read one at a time (:class:`bitune.support.Support`)."""
-        vocab = self.weights.base.get_input_embeddings().num_embeddings
-        g = torch.Generator().manual_seed(1)
-        p_ids = torch.randint(min(3, vocab - 1), vocab, (2, 5), generator=g).to(device)
-        p_mask = torch.ones_like(p_ids)
-        p_mask[0, :2] = 0  # row 0 left-padded
-        a_ids = torch.randint(min(3, vocab - 1), vocab, (2, 2), generator=g).to(device)
-        a_mask = torch.ones_like(a_ids)
+        p_ids, p_mask, a_ids, a_mask = self._probe_batch(device)
         chosen = self._prompt_passes
 
         def logits(path: str) -> torch.Tensor:
@@ -274,6 +287,16 @@ class BituneModel(nn.Module):
                     "batched" if self.prefill_path() == "batched" else "one by one")
         finally:
             self._prompt_passes = chosen
+
+    def _probe_batch(self, device) -> tuple[torch.Tensor, ...]:
+        """Two prompts (row 0 left-padded) and answers of random ids: what wrap and merge check paths with."""
+        vocab = self.weights.base.get_input_embeddings().num_embeddings
+        g = torch.Generator().manual_seed(1)
+        p_ids = torch.randint(min(3, vocab - 1), vocab, (2, 5), generator=g).to(device)
+        p_mask = torch.ones_like(p_ids)
+        p_mask[0, :2] = 0  # row 0 left-padded
+        a_ids = torch.randint(min(3, vocab - 1), vocab, (2, 2), generator=g).to(device)
+        return p_ids, p_mask, a_ids, torch.ones_like(a_ids)
 
     @staticmethod
     def _disagrees(logits: Callable[[str], torch.Tensor], path: str, plain: torch.Tensor) -> str | None:

@@ -37,6 +37,7 @@ KNOWN_CAUSES: dict[str, str] = {
                     "position_ids"),
     "gpt_neo": "its attention applies a causal mask of its own (a registered 'bias' buffer)",
     "llama4_text": "chunked attention layers (local chunks of 8192 tokens by default)",
+    "gemma3n_text": "its last layers reuse earlier layers' keys and values (KV sharing)",
     **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
     **dict.fromkeys(("jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
                      "lfm2_moe", "qwen3_next", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "minimax",
@@ -64,6 +65,8 @@ class Support:
 
     fused: bool = True
     routed: bool = True
+    merge: bool = True
+    """merging the causal set gives the unmerged logits (checked by :meth:`bitune.model.BituneModel.merge`)."""
     note: str = ""
 
 
