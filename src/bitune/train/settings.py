@@ -271,8 +271,11 @@ def load_settings(path: str | Path | list[str | Path] | None = None,
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """One YAML config as a dict, merged over the file it ``extends`` (recursively)."""
-    path = check_input_file(path, "config file")
+    """One YAML config as a dict, merged over the file it ``extends`` (recursively).
+
+    ``path`` is a local file or a packaged config's name (:func:`bitune.config_files.resolve_config`); an
+    ``extends`` is resolved relative to the file, else as a packaged config's name."""
+    path = resolve_config(path) if not _seen else path
     if path.resolve() in _seen:
         raise BituneError(f"{path}: 'extends' forms a cycle")
     try:
