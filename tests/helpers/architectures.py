@@ -73,7 +73,9 @@ FIELDS: dict[str, dict] = {
                          layer_types=["sliding_attention", "full_attention"] * 2),  # its last layers share K/V
     "longcat_flash": dict(head_dim=8, expert_ffn_hidden_size=32, ffn_hidden_size=128),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), dict(head_dim=None)),  # per-layer: its own default
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"), dict(  # full-attention layers with their own head size
+        per_layer_config={"01": {"head_dim": 32}}, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+        num_experts=None)),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=64),
     "xglm": dict(vocab_size=VOCAB),
     "reformer": dict(axial_pos_shape=[8, 16]),
@@ -140,13 +142,18 @@ def tiny_config(model_type: str):
     """The tiny config of ``model_type``: :data:`TINY` where its class has the field, :data:`FIELDS`, and a layer
     pattern that keeps one layer of each kind the default pattern has."""
     default = CONFIG_MAPPING[model_type]()
-    fields = {k: v for k, v in TINY.items()
-              if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)}
-    if hasattr(default, "kv_lora_rank"):  # multi-head latent attention: as many key/value heads as query heads
+    def has(name: str) -> bool:
+        try:
+            return hasattr(default, name)
+        except Exception:  # noqa: BLE001 - a per-layer attribute that refuses a global read: it exists
+            return True
+
+    fields = {k: v for k, v in TINY.items() if has(k) and not isinstance(getattr(type(default), k, None), property)}
+    if has("kv_lora_rank"):  # multi-head latent attention: as many key/value heads as query heads
         fields["num_key_value_heads"] = fields["num_attention_heads"]
         fields.pop("head_dim", None)  # derived from the latent dimensions
     settable = lambda name: not isinstance(getattr(type(default), name, None), property)  # noqa: E731
-    types = getattr(default, "layer_types", None)
+    types = default.to_dict().get("layer_types")
     if isinstance(types, (list, tuple)) and types and settable("layer_types"):
         kinds = list(dict.fromkeys(types))
         pattern = (kinds * 2)[:max(2, len(kinds))]
@@ -155,7 +162,7 @@ def tiny_config(model_type: str):
             if name in fields:
                 fields[name] = len(pattern)
     for name in ("layers_block_type", "block_types"):
-        value = getattr(default, name, None)
+        value = default.to_dict().get(name)
         if isinstance(value, (list, tuple)) and value and settable(name):
             kinds = list(dict.fromkeys(value))
             fields[name] = (kinds * 2)[:max(2, len(kinds))]
@@ -273,7 +280,8 @@ def check_train(model: BituneModel) -> str | None:
     missing = sorted(expected - reached)
     if missing:
         return f"no gradient reaches {len(missing)} of {len(expected)} adapter tensors (e.g. {missing[:2]})"
-    grads = torch.stack([model.mixer.theta_k.grad, model.mixer.theta_v.grad])[:, used]  # layers the model reads
+    thetas = [model.mixer.theta_k, model.mixer.theta_v]
+    grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in thetas])[:, used]
     if not (grads != 0).all():
         return f"{int((grads == 0).sum())} thetas get a zero gradient"
     return None

@@ -1,0 +1,128 @@
+"""Any Hugging Face causal LM: the architecture matrix (``tests/helpers/architectures.py``).
+
+The default suite runs one representative of each kind of architecture that needs something of its own (plain,
+flattened tokens, fused MoE experts, attention code of its own, tuple-returning routers, multi-head latent
+attention) and of each kind wrap refuses (a causal mask of its own, ALiBi, recurrent layers), negative controls
+showing that the checks fail when the property they check is broken, and that the Supported models page is what
+the committed matrix file renders. ``pytest -m architectures`` re-runs every type and compares with that file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bitune.adapters import WeightSets
+from bitune.mixer import Mixer
+from bitune.support import UnsupportedModelError
+from helpers import architectures as A
+
+ROOT = Path(__file__).resolve().parents[1]
+MATRIX = json.loads((ROOT / "docs" / "supported-models.json").read_text(encoding="utf-8"))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("architectures_script", ROOT / "scripts" / "architectures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_supported_models_page_is_what_the_matrix_file_renders():
+    assert (ROOT / "docs" / "supported-models.md").read_text(encoding="utf-8") == _script().render(MATRIX), (
+        "docs/supported-models.md is stale: run python scripts/architectures.py --page")
+
+
+def test_the_matrix_covers_every_causal_lm_type_and_accepts_none_it_gets_wrong():
+    """Every causal-LM type of the installed transformers has a row (an upgrade that adds one fails here until the
+    matrix is re-run), and no row is accepted with a failing check."""
+    assert set(MATRIX["float32"]) == set(A.causal_lm_types())
+    failing = {t: r for t, r in MATRIX["float32"].items() if r["status"] == "fail"}
+    assert not failing, f"accepted and then wrong: {sorted(failing)}"
+    assert sum(r["status"] == "pass" for r in MATRIX["float32"].values()) >= 100
+    assert all(r["status"] == "pass" for r in MATRIX["bfloat16"].values()), MATRIX["bfloat16"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "opt", "qwen3_moe", "falcon", "phimoe", "minicpm3"])
+def test_representative_architectures_pass_every_check(model_type):
+    """Plain Llama (fused path); OPT (its MLP sees flattened tokens); Qwen3-MoE (fused 3-D experts: merge);
+    Falcon under sdpa (its own attention code: the fused path is switched off at wrap); PhiMoE (a router that
+    subclasses nn.Linear and returns a tuple: left out of all-linear); MiniCPM3 (multi-head latent attention:
+    a layer routing cannot follow)."""
+    result = A.run(model_type)
+    assert result.status == "pass", result.checks or result.reason
+    assert result.status == MATRIX["float32"][model_type]["status"]
+
+
+@pytest.mark.parametrize(("model_type", "reason"), [
+    ("gpt_neo", "does not see later tokens"),  # a causal mask of its own
+    ("mpt", "ALiBi"),
+    ("rwkv", "keeps no attention keys and values"),  # recurrent
+    ("lfm2", "keeps no attention keys and values"),  # hybrid: convolution and attention layers
+    ("llama4_text", "chunked_attention"),  # a layer type the masks do not implement
+])
+def test_architectures_bitune_is_not_defined_for_are_refused_at_wrap_in_one_line(model_type, reason):
+    with pytest.raises(UnsupportedModelError) as e:
+        A.wrapped(model_type, A.attn_for(model_type))
+    message = str(e.value)
+    assert reason in message and "\n" not in message
+    assert A.causal_lm_types()[model_type] in message  # names the model
+
+
+# ------------------------------------------------------------------------------------------- negative controls
+def test_the_correctness_check_fails_when_a_wrong_fast_path_is_kept(monkeypatch):
+    """Falcon's fused forward disagrees with its passes; with wrap's check made blind, check_correct says so."""
+    monkeypatch.setattr("bitune.model.agree", lambda a, b: True)
+    problem = A.check_correct("falcon", "sdpa", torch.float32)
+    assert problem is not None and "fused path" in problem
+
+
+def test_the_correctness_check_fails_when_the_bidirectional_pass_is_causal(monkeypatch):
+    """GPT-Neo's own causal mask makes the bidirectional pass causal; with wrap's check made blind, the matrix's
+    check finds it."""
+    monkeypatch.setattr("bitune.model.passes_obey_masks", lambda *args: None)
+    problem = A.check_correct("gpt_neo", "eager", torch.float32)
+    assert problem is not None
+
+
+def test_the_merge_check_fails_when_expert_weights_are_not_merged_for_the_bidirectional_pass(monkeypatch):
+    """A merge that keeps no bidirectional copy of the fused expert weights runs the bidir pass with the causal
+    experts: check_merge must see the logits move."""
+    original = WeightSets._merged_copy
+
+    def without_experts(layer, name):
+        base, tensors = original(layer, name)
+        return base, {} if hasattr(layer, "parameter_name") else tensors
+
+    monkeypatch.setattr(WeightSets, "_merged_copy", staticmethod(without_experts))
+    notes = []
+    assert A.check_merge("qwen3_moe", "sdpa", torch.float32, notes) is None and "declined" in notes[0]  # merge sees it
+    monkeypatch.setattr("bitune.model.agree", lambda a, b: True)  # merge's own check made blind
+    assert A.check_merge("qwen3_moe", "sdpa", torch.float32) is not None
+
+
+def test_the_training_check_fails_when_the_thetas_get_no_gradient(monkeypatch):
+    ratio = Mixer.ratio
+    monkeypatch.setattr(Mixer, "ratio", lambda self, theta: ratio(self, theta).detach())  # mixes, learns nothing
+    assert "theta" in A.check_train(A.wrapped("llama", "sdpa"))
+
+
+# ------------------------------------------------------------------------------------------- the whole matrix
+@pytest.mark.architectures
+@pytest.mark.parametrize("model_type", sorted(A.causal_lm_types()))
+def test_every_architecture_keeps_its_recorded_status(model_type):
+    recorded = MATRIX["float32"].get(model_type)
+    assert recorded is not None, f"{model_type} is new in this transformers: run python scripts/architectures.py"
+    result = A.run(model_type)
+    assert result.status == recorded["status"], (result.checks, result.reason)
+
+
+@pytest.mark.architectures
+@pytest.mark.parametrize("model_type", sorted(MATRIX["bfloat16"]))
+def test_popular_architectures_pass_in_bfloat16(model_type):
+    result = A.run(model_type, dtype=torch.bfloat16)
+    assert result.status == "pass", result.checks or result.reason
