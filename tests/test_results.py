@@ -170,12 +170,18 @@ PART4 = RESULTS / "qwen2.5-arc-easy-csqa"
 def test_study_part4_runs_come_from_the_pinned_commit_and_share_batches():
     """Part 4's promise, for every finished run so far: trained at the commit in COMMIT, every step's batches
     recorded, and runs of one task and seed (the lr sweep's, the grid's) drawing the same batches step for step (a
-    longer run continuing the sequence)."""
+    longer run continuing the sequence); a run with ``data_steps: N`` (CSQA's ``lora_compute``) takes the first N
+    steps' batches of that sequence, repeated in the same order, as part 3's ``lora_repeat`` does."""
     runs = _pinned_runs(PART4, "**/*-*/log.jsonl")
     for (task, seed), methods in runs.items():
-        longest = max(methods.values(), key=len)
+        data_steps = {method: yaml.safe_load((PART4 / f"{method}-{seed}" / "settings.yaml").read_text())["data_steps"]
+                      for method in methods}
+        longest = max((b for m, b in methods.items() if data_steps[m] is None), key=len)
         for method, batches in methods.items():
-            assert batches == longest[:len(batches)], f"{task} seed {seed}: {method} drew other batches"
+            prefix = longest[:data_steps[method] or len(batches)]
+            assert data_steps[method] is None or len(prefix) == data_steps[method], f"{task}/{method}-{seed}"
+            expected = (prefix * (len(batches) // len(prefix) + 1))[:len(batches)]
+            assert batches == expected, f"{task} seed {seed}: {method} drew other batches"
 
 
 @pytest.mark.parametrize("folder", sorted(p.parent for p in PART4.glob("tuning/*/report.md")), ids=lambda p: p.name)
