@@ -244,3 +244,61 @@ def test_study_part4_dynamics_table_reproduces_from_the_run_logs(folder):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.dynamics(folder) == (folder / "training.md").read_text(encoding="utf-8")
+
+
+CLIPPING = Path(__file__).resolve().parents[1] / "scripts" / "study_clipping.py"
+
+
+def _clipping(folder: Path) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(CLIPPING), str(folder)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_clipping_counts_clipped_steps_and_the_mixers_share(tmp_path):
+    """scripts/study_clipping.py counts the logged steps whose norm before clipping exceeds max_grad_norm (the
+    end-of-training summary not counted again), the mixer's share of the squared norm, a layer's lowest share and its
+    largest move from the start share on; a run still training is left out."""
+    def run(name, norms, mixer=None, a_k=None, finished=True):
+        (tmp_path / name).mkdir()
+        settings = {"lr": 1e-3, "max_grad_norm": 1.0, "bitune": {"init_share": 0.5}}
+        (tmp_path / name / "settings.yaml").write_text(yaml.safe_dump(settings))
+        records = []
+        for i, norm in enumerate(norms):
+            record = {"step": 5 * (i + 1), "loss": 1.0, "grad_norm": norm}
+            if mixer:
+                record |= {"grad_norm_mixer": mixer[i], "a_k": a_k[i], "a_v": [0.5, 0.5]}
+            records.append(record)
+        if finished:
+            records.append({**records[-1], "train_runtime": 1.0})
+        (tmp_path / name / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+
+    run("bitune-1", [2.0, 0.5, 3.0], mixer=[1.6, 0.3, 3.0], a_k=[[0.4, 0.1], [0.4, 0.0], [0.9, 0.0]])
+    run("lora-1", [2.0, 0.5, 0.9])
+    run("lora-2", [2.0], finished=False)
+    out = _clipping(tmp_path)
+    assert "bitune (lr 0.001, 1 runs): clipped at 2/3 logged steps; mixer's share of the squared norm: median " \
+           "0.64, lowest 0.36; a layer's lowest share 0.00; a layer's largest move between logged steps 0.50" in out
+    assert "lora (lr 0.001, 1 runs): clipped at 1/3 logged steps" in out
+    assert "lora-2: has not finished training, left out" in out
+
+
+@pytest.mark.study
+def test_part4_reading_cites_the_clipping_the_logs_show():
+    """The mechanism's clipping counts in part 4's reading are scripts/study_clipping.py's, from the committed logs."""
+    reading = " ".join((PART4 / "README.md").read_text(encoding="utf-8").split())
+    arc, csqa = _clipping(PART4 / "arc_easy"), _clipping(PART4 / "csqa")
+
+    def counts(out, method):
+        line = next(x for x in out.splitlines() if x.startswith(f"{method} ("))
+        return [c.split("/")[0] for c in line.split("clipped at ")[1].split(" logged")[0].split(", ")]
+
+    bitune = counts(arc, "bitune")
+    assert f"at {bitune[0]}, {bitune[1]} and {bitune[2]} of the 45 logged steps of ARC-Easy's `bitune` runs" in reading
+    assert {"45"} == set(counts(arc, "bitune_warm")) and {"40"} == set(counts(csqa, "bitune"))
+    for out, method, total in ((arc, "lora", 45), (arc, "lora_compute", 82), (csqa, "lora", 40)):
+        low, high = min(map(int, counts(out, method))), max(map(int, counts(out, method)))
+        assert f"{low}-{high} of {total} for `{method}`" in reading, method
