@@ -30,7 +30,8 @@ RESULTS = ROOT / "docs" / "supported-models.json"
 PAGE = ROOT / "docs" / "supported-models.md"
 BF16 = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
 """Types also checked in bfloat16 (what GPU users train in), with bfloat16's tolerances."""
-TIMEOUT_S = 600
+TIMEOUT_S = 300
+"""Seconds a process may take (a chunk, or one type re-run alone)."""
 
 STATUS = {
     "pass": "supported: every check holds",
@@ -40,29 +41,55 @@ STATUS = {
     "out_of_scope": "not a decoder-only text LM",
 }
 
-ROW = """
+ROWS = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import architectures as A
-r = A.run({model_type!r}, dtype=getattr(torch, {dtype!r}))
-print("RESULT " + json.dumps(r.__dict__))
+for model_type in {types!r}:
+    r = A.run(model_type, dtype=getattr(torch, {dtype!r}))
+    print("RESULT " + json.dumps(r.__dict__), flush=True)
 """
+CHUNK = 12
+"""Types per process: the imports are paid once per chunk; a crash costs the rest of its chunk, re-run alone."""
 
 
-def run_one(model_type: str, dtype: str = "float32") -> dict:
-    """One row, computed in a fresh interpreter."""
-    code = ROW.format(tests=str(ROOT / "tests"), model_type=model_type, dtype=dtype)
+def run_many(types: list[str], dtype: str = "float32") -> dict[str, dict]:
+    """Rows for ``types``, computed in fresh interpreters, :data:`CHUNK` types each; a type whose process dies or
+    hangs is re-run alone, and if it fails again its row records that."""
+    rows: dict[str, dict] = {}
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT / "src"))
+    for start in range(0, len(types), CHUNK):
+        chunk = types[start:start + CHUNK]
+        for attempt in (chunk, None):
+            todo = [t for t in (attempt or chunk) if t not in rows]
+            if not todo:
+                break
+            if attempt is None:  # alone, one by one
+                for model_type in todo:
+                    rows.update(_run(env, [model_type], dtype) or {model_type: {
+                        "model_type": model_type, "status": "fail",
+                        "reason": "the check process died or timed out"}})
+                break
+            rows.update(_run(env, todo, dtype))
+        for model_type in chunk:
+            print(model_type, dtype, rows[model_type]["status"], flush=True)
+    return rows
+
+
+def _run(env: dict, types: list[str], dtype: str) -> dict[str, dict]:
+    code = ROWS.format(tests=str(ROOT / "tests"), types=types, dtype=dtype)
     try:
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        return {"model_type": model_type, "status": "fail", "reason": f"timed out after {TIMEOUT_S} s"}
-    for line in done.stdout.splitlines():
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env=env)
+        out = done.stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    rows = {}
+    for line in out.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    return {"model_type": model_type, "status": "fail", "reason": f"the check process died: {tail}"}
+            row = json.loads(line[len("RESULT "):])
+            rows[row["model_type"]] = row
+    return rows
 
 
 def versions() -> dict:
@@ -166,12 +193,8 @@ def main() -> int:
             parser.error(f"not causal-LM types of this transformers: {', '.join(unknown)}")
         if not args.types:
             data["float32"] = {}
-        for model_type in types:
-            data["float32"][model_type] = run_one(model_type)
-            print(model_type, data["float32"][model_type]["status"], flush=True)
-            if model_type in BF16:
-                data["bfloat16"][model_type] = run_one(model_type, "bfloat16")
-                print(model_type, "bf16", data["bfloat16"][model_type]["status"], flush=True)
+        data["float32"].update(run_many(types))
+        data["bfloat16"].update(run_many([t for t in types if t in BF16], "bfloat16"))
         data["versions"] = versions()
         write_json(RESULTS, data)
     PAGE.write_text(render(json.loads(RESULTS.read_text(encoding="utf-8"))), encoding="utf-8")

@@ -126,3 +126,13 @@ def test_every_architecture_keeps_its_recorded_status(model_type):
 def test_popular_architectures_pass_in_bfloat16(model_type):
     result = A.run(model_type, dtype=torch.bfloat16)
     assert result.status == "pass", result.checks or result.reason
+
+
+def test_readme_and_site_quote_the_matrix_counts():
+    rows = MATRIX["float32"].values()
+    passed = sum(r["status"] == "pass" for r in rows)
+    tested = sum(r["status"] not in ("out_of_scope", "no_tiny") for r in rows)
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    index = " ".join((ROOT / "docs" / "index.md").read_text(encoding="utf-8").split())
+    assert f"{passed} of {tested} " in readme
+    assert f"{passed} of the {tested} " in index
