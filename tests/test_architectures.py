@@ -76,7 +76,7 @@ def test_architectures_bitune_is_not_defined_for_are_refused_at_wrap_in_one_line
 # ------------------------------------------------------------------------------------------- negative controls
 def test_the_correctness_check_fails_when_a_wrong_fast_path_is_kept(monkeypatch):
     """Falcon's fused forward disagrees with its passes; with wrap's check made blind, check_correct says so."""
-    monkeypatch.setattr("bitune.model.agree", lambda a, b: True)
+    monkeypatch.setattr("bitune.probe.agree", lambda a, b: True)
     problem = A.check_correct("falcon", "sdpa", torch.float32)
     assert problem is not None and "fused path" in problem
 
@@ -84,7 +84,7 @@ def test_the_correctness_check_fails_when_a_wrong_fast_path_is_kept(monkeypatch)
 def test_the_correctness_check_fails_when_the_bidirectional_pass_is_causal(monkeypatch):
     """GPT-Neo's own causal mask makes the bidirectional pass causal; with wrap's check made blind, the matrix's
     check finds it."""
-    monkeypatch.setattr("bitune.model.passes_obey_masks", lambda *args: None)
+    monkeypatch.setattr("bitune.probe.passes_obey_masks", lambda *args: None)
     problem = A.check_correct("gpt_neo", "eager", torch.float32)
     assert problem is not None
 
@@ -101,7 +101,7 @@ def test_the_merge_check_fails_when_expert_weights_are_not_merged_for_the_bidire
     monkeypatch.setattr(WeightSets, "_merged_copy", staticmethod(without_experts))
     notes = []
     assert A.check_merge("qwen3_moe", "sdpa", torch.float32, notes) is None and "declined" in notes[0]  # merge sees it
-    monkeypatch.setattr("bitune.model.agree", lambda a, b: True)  # merge's own check made blind
+    monkeypatch.setattr("bitune.probe.agree", lambda a, b: True)  # merge's own check made blind
     assert A.check_merge("qwen3_moe", "sdpa", torch.float32) is not None
 
 

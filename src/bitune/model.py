@@ -23,7 +23,6 @@ and loss in :mod:`bitune.outputs`, recompute in :mod:`bitune.recompute`, the mer
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 
@@ -31,8 +30,8 @@ import torch
 from torch import nn
 
 from . import cache as kv
-from . import checkpoint, decoding, recompute
-from .adapters import RoutingError, WeightSets
+from . import checkpoint, decoding, probe, recompute
+from .adapters import WeightSets
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
@@ -43,7 +42,7 @@ from .mixer import Mixer
 from .modelcard import Training
 from .outputs import BituneOutput, answer_loss, token_logprobs
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
-from .support import Support, UnsupportedModelError, agree, check_model, evaluating, passes_obey_masks, refuse
+from .support import Support, check_model
 
 BATCHED_PREFILL_MAX_POSITIONS = 256
 """Prompt positions per pass (B x T) up to which ``prompt_passes="auto"`` reads both passes as one batched forward;
@@ -74,7 +73,7 @@ class BituneModel(nn.Module):
         self.mixer = Mixer(self.num_layers, config.theta_init, config.init_share) if config.mixes else None
         self.support = Support()
         """Which fast paths compute the plain path's numbers on this model (:mod:`bitune.support`)."""
-        self._probe()
+        probe.check_wrapped(self)
 
     @classmethod
     def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
@@ -177,22 +176,8 @@ class BituneModel(nn.Module):
         The merge checks itself on a tiny padded batch: where the merged weights do not give the unmerged logits
         (PEFT's merge of some fused expert layouts is inexact: LongCat-Flash), it is undone and the model stays
         unmerged, at the unmerged model's speed and with its numbers, and says so (``support.note``, a logged
-        warning)."""
-        if self.merged or not self.weights.peft or next(self.parameters()).device.type == "meta":
-            self.weights.merge(bidir_copy)
-            return self
-        batch = self._probe_batch(next(self.parameters()).device)
-        with evaluating(self):
-            before = self.answer_logits(self.prefill(*batch[:2]), *batch[2:])
-            self.weights.merge(bidir_copy)
-            after = self.answer_logits(self.prefill(*batch[:2]), *batch[2:])
-        if not agree(after, before):
-            self.weights.unmerge()
-            diff = (after.float() - before.float()).abs().max().item()
-            self.support.merge = False
-            self.support.note = (f"merge() declined: PEFT's merge of this model's adapted layers moves its logits by "
-                                 f"{diff:.2g}; it runs unmerged")
-            logging.getLogger("bitune").warning("%s: %s", type(self.weights.base).__name__, self.support.note)
+        warning; :func:`bitune.probe.checked_merge`)."""
+        probe.checked_merge(self, bidir_copy)
         return self
 
     def unmerge(self) -> BituneModel:
@@ -204,112 +189,6 @@ class BituneModel(nn.Module):
         """The current mixing ratios a_k and a_v of every layer (paper eq. 6-7): ``{"k": a_k, "v": a_v}``, each (L,)
         float32 and detached; empty for variants without mixing."""
         return self.mixer.ratios() if self.mixer is not None else {}
-
-    def _probe(self) -> None:
-        """Tiny prompt passes that check the model and prepare it (:mod:`bitune.support`): they freeze the bidir
-        weights that cannot get a gradient (only the prompt passes' keys and values reach the answer, so in the
-        last layer everything after K/V (q, o, MLP) is unused by the bidir weights, found by one backward from the
-        last layer's K/V), refuse a model whose prompt passes do not obey their masks, and switch off a fast path
-        (per-row or per-position routing, the fused forward) that does not compute the plain path's numbers.
-
-        Raises:
-            UnsupportedModelError: the bidirectional pass does not see later tokens, or the causal one does.
-        """
-        weights = "bidir" if "bidir" in self.config.weight_sets else "causal"
-        base = self.weights.base
-        device = next(base.parameters()).device
-        if device.type == "meta":  # shapes only (memory accounting): nothing can run, nothing is frozen
-            return
-        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        mask = torch.ones(1, 2, dtype=torch.long, device=device)
-        try:
-            with torch.enable_grad():
-                cache = read_pass(self.weights, self.text_config, ids, mask, weights, "bidirectional")
-                k, v = kv.layer_kv(cache, self.num_layers - 1)
-                if weights == "bidir":
-                    self.weights.freeze_unreached("bidir", k.sum() + v.sum())
-            if self.config.single_pass:
-                return  # no prompt passes: a plain causal forward
-            with evaluating(self):
-                self._check_passes(device)
-                self._check_fast_paths(device)
-        except UnsupportedModelError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a prompt pass this model cannot run: refused, not a crash later
-            first = str(e).splitlines()[0][:200] if str(e) else ""
-            raise refuse(base, f"a prompt pass (a forward over a transformers cache with a 4D mask and "
-                               f"position ids) fails: {type(e).__name__}: {first}") from e
-        if self.support.note:
-            logging.getLogger("bitune").warning("%s: %s", type(base).__name__, self.support.note)
-
-    def _check_passes(self, device) -> None:
-        """Refuse the model if its prompt passes do not obey their masks (:func:`bitune.support.passes_obey_masks`)."""
-        sets = self.config.weight_sets
-
-        def first_keys(kind: str, ids: torch.Tensor) -> list[torch.Tensor]:
-            weights = "bidir" if kind == "bidirectional" and "bidir" in sets else "causal"
-            cache = read_pass(self.weights, self.text_config, ids, torch.ones_like(ids), weights, kind)
-            return [kv.layer_kv(cache, i)[0][..., 0, :] for i in range(self.num_layers)]
-
-        vocab = self.weights.base.get_input_embeddings().num_embeddings
-        ids = torch.randint(min(3, vocab - 1), vocab, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
-        if (problem := passes_obey_masks(first_keys, ids, vocab)) is not None:
-            raise refuse(self.weights.base, problem)
-
-    def _check_fast_paths(self, device) -> None:
-        """Run a tiny padded batch through every path this model would take and keep only the fast paths that
-        agree with the passes read one at a time (:class:`bitune.support.Support`)."""
-        p_ids, p_mask, a_ids, a_mask = self._probe_batch(device)
-        chosen = self._prompt_passes
-
-        def logits(path: str) -> torch.Tensor:
-            self._prompt_passes = path
-            if path == "fused":
-                return fused_logits(self.weights, self.mixer, self.config.passes, self.text_config, p_ids, p_mask,
-                                    a_ids, a_mask)
-            return self.answer_logits(self.prefill(p_ids, p_mask), a_ids, a_mask)
-
-        try:
-            plain = logits("sequential")
-            names = [w for w, _ in self.config.passes]
-            if self.weights.can_route(names) and len(names) == 2:
-                problem = self._disagrees(logits, "batched", plain)
-                if problem:
-                    self.weights.route_ok, self.support.routed = False, False
-                    self.support.note = f"the prompt passes batched as one forward {problem}"
-            if self.weights.can_route(names + ["causal"]):
-                problem = self._disagrees(logits, "fused", plain)
-                if problem:
-                    self.support.fused = False
-                    self.support.note = f"the fused forward {problem}"
-            if self.support.note:
-                self.support.note += "; it runs the prompt passes " + (
-                    "batched" if self.prefill_path() == "batched" else "one by one")
-        finally:
-            self._prompt_passes = chosen
-
-    def _probe_batch(self, device) -> tuple[torch.Tensor, ...]:
-        """Two prompts (row 0 left-padded) and answers of random ids: what wrap and merge check paths with."""
-        vocab = self.weights.base.get_input_embeddings().num_embeddings
-        g = torch.Generator().manual_seed(1)
-        p_ids = torch.randint(min(3, vocab - 1), vocab, (2, 5), generator=g).to(device)
-        p_mask = torch.ones_like(p_ids)
-        p_mask[0, :2] = 0  # row 0 left-padded
-        a_ids = torch.randint(min(3, vocab - 1), vocab, (2, 2), generator=g).to(device)
-        return p_ids, p_mask, a_ids, torch.ones_like(a_ids)
-
-    @staticmethod
-    def _disagrees(logits: Callable[[str], torch.Tensor], path: str, plain: torch.Tensor) -> str | None:
-        """What is wrong with ``path``'s logits against the passes read one by one (``plain``), or None."""
-        try:
-            if agree(logits(path), plain):
-                return None
-            return ("disagrees with the passes read one by one (the model computes attention or positions outside "
-                    "transformers' attention interface)")
-        except RoutingError as e:
-            return f"cannot route LoRA weight sets ({e})"
-        except Exception as e:  # noqa: BLE001 - a fast path this model cannot run is switched off
-            return f"fails ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
 
     # ----------------------------------------------------------------------------------------------- passes
     def decoder_layers(self) -> list[nn.Module]:
