@@ -415,6 +415,18 @@ def test_report_embeds_into_no_file_it_writes_itself_and_checks_before_writing(t
     assert main(argv[:4]) == 0  # an earlier report of its own is replaced
 
 
+def test_report_replaces_the_report_an_older_sweep_wrote(tmp_path):
+    """A sweep of bitune before the report verb (a study's pinned tree still runs one) wrote report.md as the bare
+    table; the folder's report is then refreshed over it, as study part 4 does, and a user's table is not."""
+    _eval_json(tmp_path / "runs" / "lora-42")
+    older = "| method | seeds | PIQA | Avg |\n|---|---|---:|---:|\n| lora | 1 | 50.00 ± - | 50.00 ± - |\n"
+    (tmp_path / "runs" / "report.md").write_text(older)
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    assert (tmp_path / "runs" / "report.md").read_text().startswith("# Report: ")
+    (tmp_path / "runs" / "report.md").write_text("| my | own | table |\n")
+    assert main(["report", str(tmp_path / "runs")]) == 2
+
+
 # ------------------------------------------------------------------------------- 2. servers that cannot serve
 @pytest.mark.parametrize("compile", [False, True])
 def test_serve_refuses_a_max_model_len_no_request_fits_before_loading(tmp_path, capsys, compile):
