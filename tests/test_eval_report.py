@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -403,6 +404,32 @@ def test_a_study_report_yaml_orders_the_methods_and_names_the_fair_baselines(tmp
     assert f"method order and fair baselines from {tmp_path / 'study' / SETTINGS_FILE}" in capsys.readouterr().out
 
 
+def test_a_study_report_yaml_adds_further_comparisons_into_holms_family(tmp_path):
+    """Two arms of one baseline that differ in one factor (LoRA given Bitune's compute on the same questions or on
+    new ones) are compared directly when report.yaml's `pairs` names them, and Holm's family grows by it."""
+    from bitune.eval.report import SETTINGS_FILE
+
+    runs = tmp_path / "study" / "arc"
+    write_runs(runs, [paired_record(m, 42, [1] * k + [0] * (40 - k))
+                      for m, k in (("lora", 10), ("bitune", 14), ("lora_compute", 18), ("lora_compute_newdata", 12))])
+    (tmp_path / "study" / SETTINGS_FILE).write_text("fair_baselines: [lora_compute]\n")
+
+    def rows():
+        assert main(["report", str(runs), "--no-figure"]) == 0
+        md = (runs / "report.md").read_text()
+        found = {tuple(c.strip() for c in line.split("|")[3:5]): line for line in md.splitlines()
+                 if line.startswith("| ARC-C") and line.count("|") > 10}
+        return found, int(re.search(r"family of all (\d+) comparisons", md).group(1))
+
+    before, family = rows()
+    assert ("lora_compute_newdata", "lora_compute") not in before
+    (tmp_path / "study" / SETTINGS_FILE).write_text("fair_baselines: [lora_compute]\n"
+                                                    "pairs: [[lora_compute_newdata, lora_compute]]\n")
+    after, grown = rows()
+    assert "-15.0 [" in after[("lora_compute_newdata", "lora_compute")]  # 12/40 - 18/40
+    assert grown == family + 1 and set(before) < set(after)
+
+
 def test_a_study_report_yaml_names_the_folders_its_report_reads(tmp_path):
     """A study that keeps runs on another split beside its reported ones (a tuning/ folder) names its report's
     folders in report.yaml: `bitune report STUDY` reads only those (a missing one is refused: tests/test_hardening.py)."""
@@ -428,6 +455,9 @@ def test_a_study_report_yaml_names_the_folders_its_report_reads(tmp_path):
     ("methods: lora\n", "report setting methods: a list of method names"),
     ("methods: [lora, lora]\n", "'lora' is named twice"),
     ("- lora\n", "a mapping of report settings"),
+    ("pairs: [lora, bitune]\n", "report setting pairs: each a [method, baseline] pair of two method names"),
+    ("pairs: [[lora, lora]]\n", "compares a method with itself"),
+    ("pairs: lora\n", "report setting pairs: a list of [method, baseline] pairs"),
 ])
 def test_a_bad_report_yaml_is_one_clear_error(tmp_path, capsys, text, message):
     write_runs(tmp_path, [paired_record("lora", 42, [1, 0])])

@@ -222,7 +222,7 @@ class Unpaired:
 def planned(labels: list[str], baselines: list[str], settings: ReportSettings) -> list[tuple[str, str]]:
     """The ``(method, baseline)`` pairs a report shows, in order: every method against each baseline, each of the
     paper's ablations against ``bitune``, ``bitune`` against the study's fair baselines (default: every other
-    method that is neither a baseline nor an ablation)."""
+    method that is neither a baseline nor an ablation), then the study's further ``pairs``."""
     pairs = [(m, b) for b in baselines for m in labels if m != b]
     if "bitune" not in baselines:
         pairs += [(m, "bitune") for m in labels if m in ABLATIONS]
@@ -230,7 +230,7 @@ def planned(labels: list[str], baselines: list[str], settings: ReportSettings) -
         if fair is None:
             fair = tuple(m for m in labels if m not in ABLATIONS and m != "bitune")
         pairs += [("bitune", b) for b in fair if b not in baselines and b != "bitune"]
-    return pairs
+    return pairs + [p for p in settings.pairs if p not in pairs]
 
 
 def paired(tasks: dict[str, TaskRuns], pairs: list[tuple[str, str]]) -> tuple[list[Comparison], list[Unpaired]]:

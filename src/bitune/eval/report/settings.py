@@ -8,6 +8,7 @@ Example ``report.yaml``::
 
     methods: [pretrained, lora, lora16, bitune]   # rows in this order, then any other method by name
     fair_baselines: [lora16]                      # bitune is also paired with these (besides --baselines)
+    pairs: [[lora_compute_newdata, lora_compute]] # further comparisons, each [method, baseline]
     runs: [arc_easy, csqa]                        # the study's report reads these folders only (not tuning/)
 """
 
@@ -34,6 +35,10 @@ class ReportSettings:
     fair_baselines: tuple[str, ...] | None = None
     """Methods ``bitune`` is paired with besides ``--baselines``: e.g. those matching its trainable parameters or
     its training compute. None (the default): every other method that is not one of the paper's ablations."""
+    pairs: tuple[tuple[str, str], ...] = ()
+    """Further comparisons, each ``[method, baseline]``, made wherever both ran and adjusted with the others: e.g.
+    two arms of one baseline that differ in one factor (LoRA given Bitune's compute on the same questions and on new
+    ones). Default: none."""
     runs: tuple[str, ...] | None = None
     """Folders, relative to the ``report.yaml``, whose runs make the study's report when ``bitune report`` is
     given the study's folder (e.g. the reported split's, leaving out a ``tuning/`` folder of runs on another
@@ -44,6 +49,9 @@ class ReportSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None and f.name in ("fair_baselines", "runs"):
+                continue
+            if f.name == "pairs":
+                object.__setattr__(self, "pairs", _pairs(value))
                 continue
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
                 raise BituneError(f"report setting {f.name}: a list of {'folder' if f.name == 'runs' else 'method'} names, "
@@ -59,6 +67,22 @@ class ReportSettings:
     def method_key(self, label: str) -> tuple[int, str]:
         """Sort key: the methods named in :attr:`methods` first, in that order, then the others by name."""
         return (self.methods.index(label), "") if label in self.methods else (len(self.methods), label)
+
+
+def _pairs(value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, (list, tuple)):
+        raise BituneError(f"report setting pairs: a list of [method, baseline] pairs, not {value!r}")
+    pairs = []
+    for pair in value:
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(v, str) and v.strip() for v in pair)):
+            raise BituneError(f"report setting pairs: each a [method, baseline] pair of two method names, not {pair!r}")
+        if pair[0] == pair[1]:
+            raise BituneError(f"report setting pairs: {list(pair)!r} compares a method with itself")
+        if tuple(pair) in pairs:
+            raise BituneError(f"report setting pairs: {list(pair)!r} is named twice")
+        pairs.append(tuple(pair))
+    return tuple(pairs)
 
 
 def read_settings(path: Path) -> ReportSettings:
