@@ -42,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           "  - a figure (report.png): accuracy per method with intervals, seeds as points.\n"
                           "A study's report.yaml (in the runs' folder or above it) names its methods' order\n"
                           "and the baselines bitune is matched against (default: by name; every method),\n"
-                          "and may name the folders ('runs') a report on the study's folder reads.\n"
+                          "may add further [method, baseline] comparisons ('pairs') and may name the\n"
+                          "folders ('runs') a report on the study's folder reads.\n"
                           "Example:\n  bitune report runs/sweep   (finds every eval.json below; writes there)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="eval JSON files or folders searched for eval.json")
     parser.add_argument("--metric", default="acc", choices=("acc", "acc_norm"),
