@@ -123,6 +123,28 @@ def test_sweep_method_files_are_overlays_labelled_by_name():
                                                                                           1e-3)
 
 
+def test_sweep_takes_a_packaged_method_file_by_its_name(tmp_path, monkeypatch):
+    """`--methods bitune_clip_adapters` (or `methods/bitune_clip_adapters`) is the packaged method file, as
+    `--config methods/...` is; variant names keep their meaning, and a local file comes before a packaged one."""
+    from bitune.commands.sweep import parse_methods
+    from bitune.config_files import find_packaged
+    from bitune.errors import BituneError
+    from bitune.train.settings import read_yaml
+
+    monkeypatch.chdir(tmp_path)
+    packaged = find_packaged("methods/bitune_clip_adapters")
+    for name in ("bitune_clip_adapters", "methods/bitune_clip_adapters", "methods/bitune_clip_adapters.yaml"):
+        (method,) = parse_methods(name)
+        assert (method.label, method.variant, method.overrides()) == ("bitune_clip_adapters", "bitune", [])
+        assert read_yaml(method.configs(None)[0]) == read_yaml(packaged)
+    assert parse_methods("bitune")[0].overlay is None  # the variant, as before
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "bitune_clip_adapters.yaml").write_text("bitune:\n  variant: only_causal\n")
+    assert parse_methods("methods/bitune_clip_adapters")[0].variant == "only_causal"
+    with pytest.raises(BituneError, match="unknown method 'bitune_clip_adapterz'.*packaged method file"):
+        parse_methods("bitune_clip_adapterz")
+
+
 def _sweep_args(checkpoint, tmp_path, monkeypatch, **changes):
     monkeypatch.setattr(data, "load_examples", fake_examples)
     rows = [{"instruction": f"say {w}", "input": "", "output": w} for w in ("yes", "no", "cat", "dog")]

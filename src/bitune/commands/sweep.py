@@ -2,7 +2,8 @@
 
 A method is a variant name from ``bitune.config.VARIANTS`` with an optional LoRA rank suffix: ``lora`` (r=8),
 ``lora16`` (r=16), ``bitune``, ``bitune16``, ``shared_weights``, ... or a YAML file of settings laid over the
-config (its file name is the label), e.g. ``configs/methods/bitune_clip_adapters.yaml``. ``pretrained`` is
+config (its file name is the label), e.g. ``configs/methods/bitune_clip_adapters.yaml``, given by its path or,
+for a packaged one, its name (``methods/bitune_clip_adapters`` or just ``bitune_clip_adapters``). ``pretrained`` is
 evaluated once (it has no seed: nothing is trained). Runs go seed by seed (every method with seed 42, then 43,
 ...), so an interrupted sweep already holds complete pairs. Each run lives in ``OUTPUT_DIR/<method>-<seed>/``
 (the trainer's ``final/``, ``log.jsonl``, ``settings.yaml`` plus ``eval.json``); runs whose ``eval.json``
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
+from ..config_files import find_packaged
 from ..errors import BituneError, closest
 from ..eval.report import load_records, results_below
 from ..files import check_output_dir
@@ -65,16 +67,20 @@ def parse_methods(text: str) -> list[Method]:
     """``"pretrained,lora,lora16,bitune"`` -> methods; raises a BituneError naming an unknown one."""
     methods = []
     for name in (n.strip() for n in text.split(",") if n.strip()):
-        if name.endswith((".yaml", ".yml")):
+        if name.endswith((".yaml", ".yml")) or "/" in name:  # a method file: local, else packaged
             methods.append(_overlay_method(Path(name)))
             continue
         m = _METHOD.match(name)
         if not m or m.group(1) not in VARIANTS or (m.group(1) == "pretrained" and m.group(2)):
+            if find_packaged(f"methods/{name}") is not None:  # a packaged method file by its name
+                methods.append(_overlay_method(Path(f"methods/{name}")))
+                continue
             base = name.rstrip("0123456789-_")
             close, rank = closest(base, VARIANTS), name[len(base):].strip("-_")
             hint = f" (did you mean {close + (rank if close != 'pretrained' else '')!r}?)" if close else ""
             raise BituneError(f"unknown method {name!r}{hint}: use a variant ({', '.join(VARIANTS)}) with an "
-                              "optional rank suffix, e.g. lora16")
+                              "optional rank suffix, e.g. lora16, a packaged method file by its name ('bitune "
+                              "configs list': methods/...), or a method file's path")
         methods.append(Method(name, m.group(1), int(m.group(2)) if m.group(2) else None))
     if not methods:
         raise BituneError("--methods is empty")
@@ -119,7 +125,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="training setting override for every run (repeatable), e.g. --set steps=100")
     parser.add_argument("--methods", default="pretrained,lora,lora16,bitune",
                         help="comma-separated variants with optional rank suffix, or YAML files of settings laid "
-                             "over the config (labelled by file name)")
+                             "over the config (labelled by file name): a path, or a packaged method file's name "
+                             "(e.g. bitune_clip_adapters; 'bitune configs list')")
     parser.add_argument("--seeds", default="42,43,44", help="comma-separated training seeds")
     parser.add_argument("--tasks", default="piqa,arc_challenge,csqa,siqa,mmlu", help="evaluation tasks")
     parser.add_argument("--split", default=None, metavar="SPLIT",
