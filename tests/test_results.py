@@ -299,6 +299,7 @@ def test_part4_reading_cites_the_clipping_the_logs_show():
     bitune = counts(arc, "bitune")
     assert f"at {bitune[0]}, {bitune[1]} and {bitune[2]} of the 45 logged steps of ARC-Easy's `bitune` runs" in reading
     assert {"45"} == set(counts(arc, "bitune_warm")) and {"40"} == set(counts(csqa, "bitune"))
-    for out, method, total in ((arc, "lora", 45), (arc, "lora_compute", 82), (csqa, "lora", 40)):
+    for out, method, total in ((arc, "lora", 45), (arc, "lora_compute", 82), (csqa, "lora", 40),
+                               (csqa, "lora_compute", 90), (csqa, "lora_compute_newdata", 90)):
         low, high = min(map(int, counts(out, method))), max(map(int, counts(out, method)))
         assert f"{low}-{high} of {total} for `{method}`" in reading, method
