@@ -9,7 +9,6 @@ the committed matrix file renders. ``pytest -m architectures`` re-runs every typ
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,16 +19,14 @@ from bitune.adapters import WeightSets
 from bitune.mixer import Mixer
 from bitune.support import UnsupportedModelError
 from helpers import architectures as A
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 MATRIX = json.loads((ROOT / "docs" / "supported-models.json").read_text(encoding="utf-8"))
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("architectures_script", ROOT / "scripts" / "architectures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("architectures")
 
 
 def test_supported_models_page_is_what_the_matrix_file_renders():

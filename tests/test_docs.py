@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import importlib.util
 import os
 import re
 import shutil
@@ -58,6 +56,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -87,12 +87,8 @@ def _mkdocs_env() -> dict[str, str]:
 
 # --- generated reference pages ------------------------------------------------------------------------------
 
-@functools.cache
 def _generator():
-    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs_reference")
 
 
 def test_reference_pages_current():

@@ -17,6 +17,7 @@ import pytest
 from bitune.cli import EXTRAS, VERBS, main
 from helpers.gen import save_checkpoint
 from helpers.models import perturb_adapters, tiny_bitune
+from helpers.scripts import load_script
 from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
 
 
@@ -529,11 +530,7 @@ def test_a_script_fails_in_one_line_like_the_cli(tmp_path, script, case):
 
 
 def test_study_figures_leaves_out_a_run_whose_log_is_cut_in_its_last_line(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("study_figures", SCRIPTS / "study_figures.py")
-    figures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figures)
+    figures = load_script("study_figures")
     for run, tail in (("lora-42", '{"train_runtime": 1.0}\n'), ("bitune-42", '{"step": 2, "lo')):
         (tmp_path / run).mkdir()
         (tmp_path / run / "log.jsonl").write_text('{"step": 1, "loss": 1.0}\n' + tail)

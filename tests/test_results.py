@@ -19,6 +19,7 @@ from bitune.eval.report import (
     load_records,
     read_settings,
 )
+from helpers.scripts import load_script
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 STUDIES = sorted(p.parent for p in RESULTS.glob("*/report.md"))
@@ -238,12 +239,7 @@ def test_study_part4_reported_runs_use_the_tuned_picks():
 def test_study_part4_dynamics_table_reproduces_from_the_run_logs(folder):
     """The mechanism's numbers quoted in the texts (each run's loss against ``lora`` at its seed, the bidirectional
     share) are ``training.md``, which ``scripts/study_figures.py`` computes from the committed logs."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("study_figures", RESULTS.parent / "scripts" / "study_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.dynamics(folder) == (folder / "training.md").read_text(encoding="utf-8")
+    assert load_script("study_figures").dynamics(folder) == (folder / "training.md").read_text(encoding="utf-8")
 
 
 CLIPPING = Path(__file__).resolve().parents[1] / "scripts" / "study_clipping.py"

@@ -18,6 +18,7 @@ from bitune.stats import (
     sign_flip_test,
     two_level_bootstrap,
 )
+from helpers.scripts import load_script
 
 
 def test_mcnemar_exact_on_a_hand_computed_table():
@@ -175,14 +176,7 @@ def test_pooled_sign_flip_of_one_task_is_the_sign_flip_test():
 
 def _coverage_script():
     """scripts/stats_coverage.py, the simulation the evaluation guide's coverage table comes from."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "stats_coverage.py"
-    spec = importlib.util.spec_from_file_location("stats_coverage", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("stats_coverage")
 
 
 def _seeds_disagree(n: int = 1000) -> np.ndarray:
