@@ -71,17 +71,18 @@ def parse_methods(text: str) -> list[Method]:
             methods.append(_overlay_method(Path(name)))
             continue
         m = _METHOD.match(name)
-        if not m or m.group(1) not in VARIANTS or (m.group(1) == "pretrained" and m.group(2)):
-            if find_packaged(f"methods/{name}") is not None:  # a packaged method file by its name
-                methods.append(_overlay_method(Path(f"methods/{name}")))
-                continue
-            base = name.rstrip("0123456789-_")
-            close, rank = closest(base, VARIANTS), name[len(base):].strip("-_")
-            hint = f" (did you mean {close + (rank if close != 'pretrained' else '')!r}?)" if close else ""
-            raise BituneError(f"unknown method {name!r}{hint}: use a variant ({', '.join(VARIANTS)}) with an "
-                              "optional rank suffix, e.g. lora16, a packaged method file by its name ('bitune "
-                              "configs list': methods/...), or a method file's path")
-        methods.append(Method(name, m.group(1), int(m.group(2)) if m.group(2) else None))
+        if m and m.group(1) in VARIANTS and not (m.group(1) == "pretrained" and m.group(2)):
+            methods.append(Method(name, m.group(1), int(m.group(2)) if m.group(2) else None))
+            continue
+        if find_packaged(f"methods/{name}") is not None:  # a packaged method file by its name
+            methods.append(_overlay_method(Path(f"methods/{name}")))
+            continue
+        base = name.rstrip("0123456789-_")
+        close, rank = closest(base, VARIANTS), name[len(base):].strip("-_")
+        hint = f" (did you mean {close + (rank if close != 'pretrained' else '')!r}?)" if close else ""
+        raise BituneError(f"unknown method {name!r}{hint}: use a variant ({', '.join(VARIANTS)}) with an optional "
+                          "rank suffix, e.g. lora16, a packaged method file by its name ('bitune configs list': "
+                          "methods/...), or a method file's path")
     if not methods:
         raise BituneError("--methods is empty")
     labels = [m.label for m in methods]

@@ -230,7 +230,7 @@ def planned(labels: list[str], baselines: list[str], settings: ReportSettings) -
         if fair is None:
             fair = tuple(m for m in labels if m not in ABLATIONS and m != "bitune")
         pairs += [("bitune", b) for b in fair if b not in baselines and b != "bitune"]
-    return pairs + [p for p in settings.pairs if p not in pairs]
+    return pairs + list(settings.pairs)  # a pair named twice is made once (paired)
 
 
 def paired(tasks: dict[str, TaskRuns], pairs: list[tuple[str, str]]) -> tuple[list[Comparison], list[Unpaired]]:
