@@ -14,6 +14,7 @@
 #   PART=3 THREADS=2 ./scripts/study.sh         # part 3 only (results/smollm2-csqa-piqa-siqa), see part3() below
 #   PART=4 THREADS=2 ./scripts/study.sh         # part 4 only (results/qwen2.5-arc-easy-csqa), see part4() below
 #   PART=4 TASKS4=arc_easy SEEDS="43 44" GRID4=lora ./scripts/study.sh  # only these grid runs (to fit a session)
+#   PART=5 THREADS=1 ./scripts/study.sh         # part 5 only (results/qwen2.5-bitune-recipe), see part5() below
 #
 # Part 3 (results/smollm2-csqa-piqa-siqa): CSQA and (if LoRA learns it; PIQA and SIQA did not) ARC-Easy, each
 # with pretrained, LoRA r8, LoRA r16, LoRA r8
@@ -215,12 +216,50 @@ report() {
   fi
 }
 
+# Part 5 (results/qwen2.5-bitune-recipe; issue "Evidence, part 5"): Bitune with a recipe tuned for Bitune, at part
+# 4's pinned commit (its COMMIT is part 4's), model, tasks, batches and tuning splits. Per task (CSQA first: its
+# runs are the shorter): (1) on the tuning split, Bitune r8 with clip: adapters at lr 3e-4, 1e-3, 3e-3 (seed 42);
+# the pick is part 4's rule for LoRA (scripts/study_pick.py: highest tuning-split accuracy, a tie keeps the one
+# named first), written to tuning/<task>/lr before any reported run; (2) on the reported split, bitune_recipe
+# (configs/study/part5/bitune_recipe.yaml at the picked lr) x seeds 42, 43, 44. It is compared with part 4's lora,
+# bitune and lora_compute runs of the same seeds, which drew the same batches from the same commit.
+part5() {
+  local out=${OUT5:-results/qwen2.5-bitune-recipe}
+  pin_tree "$out"
+  local conf="configs/study/part4" c5="configs/study/part5" py=".venv/bin/python"
+  local tasks=${TASKS5:-csqa arc_easy}
+  for task in $tasks; do
+    local dir="$out/$task" tdir="$out/tuning/$task" lr
+    mkdir -p "$dir" "$tdir"
+    local -a lrs=("$c5/lr/bitune_clip_lr3e-4.yaml" "$c5/lr/bitune_clip_lr1e-3.yaml" "$c5/lr/bitune_clip_lr3e-3.yaml")
+    sweep_each --config "$conf/$task.yaml" --seeds 42 --tasks "$task" --split tuning --output-dir "$tdir" \
+      -- "${lrs[@]}"
+    PYTHONPATH= "$BITUNE" report "$tdir" --output "$tdir" > /dev/null
+    if [ ! -f "$tdir/lr" ]; then
+      local best
+      best=$(PYTHONPATH= "$py" scripts/study_pick.py "$tdir" bitune_clip_lr3e-4 bitune_clip_lr1e-3 bitune_clip_lr3e-3)
+      echo "${best#bitune_clip_lr}" > "$tdir/lr"
+    fi
+    lr=$(cat "$tdir/lr")
+    [ "${TUNING5_ONLY:-0}" = 1 ] && continue
+    for seed in $SEEDS; do
+      sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds "$seed" --tasks "$task" --output-dir "$dir" \
+        -- "$c5/bitune_recipe.yaml"
+    done
+  done
+  unset PYTHONPATH
+}
+
 if [ "${PART:-all}" = 3 ]; then
   part3
   exit 0
 fi
 if [ "${PART:-all}" = 4 ]; then
   part4
+  exit 0
+fi
+if [ "${PART:-all}" = 5 ]; then
+  part5
   exit 0
 fi
 

@@ -7,6 +7,7 @@
 # (.gitignore keeps final/ and checkpoints out). A session that ends loses at most the run in progress.
 cd "$(dirname "$0")/.."
 OUT=${OUT4:-results/qwen2.5-arc-easy-csqa}
+LABEL=${LABEL:-study part 4}  # part 5: OUT4=results/qwen2.5-bitune-recipe LABEL="study part 5"
 BITUNE=${BITUNE:-.venv/bin/bitune}
 while true; do
   for f in "$OUT"/*/eval.json "$OUT"/*/*/eval.json "$OUT"/tuning/*/*/eval.json; do
@@ -28,7 +29,7 @@ while true; do
         "$folder"/*.yaml "$task"/training.png "$task"/training.md "$OUT"/bench/*.json "$OUT"/*/lora_compute.yaml 2>/dev/null | git check-ignore -nv --stdin \
         | awk -F'\t' '$1 == "::" {print $2}')  # not the ignored ones (a sweep's per-task report)
       for i in 1 2 3 4 5; do
-        git add -- $files $extra && git commit -q -m "study part 4: ${d#results/} finished (eval.json, log, settings; report regenerated)" --only -- $files $extra && break
+        git add -- $files $extra && git commit -q -m "$LABEL: ${d#results/} finished (eval.json, log, settings; report regenerated)" --only -- $files $extra && break
         sleep 5
       done
     fi
@@ -36,7 +37,7 @@ while true; do
   for f in "$OUT"/bench/*.json "$OUT"/bench/*.load "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml; do
     [ -f "$f" ] || continue
     if [ -n "$(git status --porcelain -- "$f")" ]; then
-      git add -- "$f" && git commit -q -m "study part 4: ${f#results/} written" --only -- "$f"
+      git add -- "$f" && git commit -q -m "$LABEL: ${f#results/} written" --only -- "$f"
     fi
   done
   sleep 60
