@@ -326,7 +326,7 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizer
 def load_model(
     name_or_path: str,
     dtype: torch.dtype | str = "float32",
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from safetensors (never pickle).
@@ -338,7 +338,9 @@ def load_model(
         name_or_path: A built-in name (see :func:`list_models`), a local folder or a hub id.
         dtype: Parameter dtype, a ``torch.dtype`` or its name: one of ``float32``, ``bfloat16``, ``float16``.
             Default float32.
-        attn_implementation: Attention kernel passed to transformers. Default ``"sdpa"``.
+        attn_implementation: Attention kernel passed to transformers. Default None: transformers' own choice,
+            ``"sdpa"`` where the model implements it, else ``"eager"`` (gemma2, gpt_neo, bloom, ...); the passes
+            build their masks for either (:func:`bitune.attention.mask_format`).
         trust_remote_code: Allow model code from the hub. Default False.
 
     Returns:
