@@ -4,10 +4,15 @@ MoE models, init_share's high end, and two eval processes writing one output."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from transformers import AutoModelForCausalLM, Gemma2Config, GPTNeoConfig
 
 from bitune.cli import main
+from bitune.commands.sweep import parse_methods
+from bitune.config_files import PACKAGED, resolve_config
+from bitune.errors import BituneError
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import one_error_line
 
@@ -47,3 +52,36 @@ def test_an_eager_only_refused_model_shows_its_real_reason(eager_only, tmp_path,
     line = one_error_line(capsys, "train")
     assert "GPTNeoForCausalLM (gpt_neo) is not supported by Bitune" in line, line
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------- B. config names with a dot
+def test_a_dotted_config_name_resolves_by_its_whole_text_and_a_local_file_comes_first(tmp_path, monkeypatch):
+    """``methods/theta_0.01``: the '.01' was taken as a file extension, so a local ``methods/theta_0.01.yaml``
+    lost to the packaged one."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config("methods/theta_0.01") == PACKAGED / "methods" / "theta_0.01.yaml"
+    assert resolve_config("study/part4/bitune_share0.1") == PACKAGED / "study" / "part4" / "bitune_share0.1.yaml"
+    (tmp_path / "methods").mkdir()
+    (tmp_path / "methods" / "theta_0.01.yaml").write_text("bitune:\n  theta_init: 0.02\n")
+    assert resolve_config("methods/theta_0.01") == Path("methods/theta_0.01.yaml")
+
+
+def test_sweep_labels_dotted_method_names_by_their_whole_name():
+    """``--methods theta_0.01,theta_0.1`` was 'theta_0' twice; one alone wrote ``theta_0-42/``, and a later
+    ``theta_0.1`` into the same folder was skipped as already evaluated."""
+    methods = parse_methods("theta_0.01,theta_0.1,methods/theta_0.001.yaml")
+    assert [m.label for m in methods] == ["theta_0.01", "theta_0.1", "theta_0.001"]
+    assert [resolve_config(m.overlay).name for m in methods] == ["theta_0.01.yaml", "theta_0.1.yaml",
+                                                                 "theta_0.001.yaml"]
+
+
+# ------------------------------------------------------------------------------- G. hints
+def test_an_extends_near_miss_suggests_the_packaged_config(tmp_path, capsys):
+    (tmp_path / "task.yaml").write_text("extends: tasks/piqq\nsteps: 2\n")
+    assert main(["train", "--config", str(tmp_path / "task.yaml"), "--dry-run"]) == 2
+    assert "did you mean the packaged config tasks/piqa" in one_error_line(capsys, "train")
+
+
+def test_a_method_near_miss_suggests_the_packaged_method_file():
+    with pytest.raises(BituneError, match="did you mean 'bitune_clip_adapters'"):
+        parse_methods("bitune_clip_adaptrs")

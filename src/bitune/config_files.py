@@ -29,10 +29,32 @@ def packaged_names() -> list[str]:
     return sorted(p.relative_to(PACKAGED).with_suffix("").as_posix() for p in PACKAGED.rglob(f"*{SUFFIX}"))
 
 
+def config_name(name: str) -> str:
+    """``name`` without its ``.yaml``/``.yml`` ending, and only that: a name is its whole text, dots included
+    (``theta_0.01``, where ``Path.stem`` gives ``theta_0``)."""
+    return name.removesuffix(SUFFIX) if name.endswith(SUFFIX) else name.removesuffix(".yml")
+
+
+def _files(path: Path) -> list[Path]:
+    """The files a config name may mean: ``path`` itself, then ``path.yaml`` unless it already ends in .yaml/.yml
+    (a dot elsewhere in the name is part of it: ``theta_0.01``)."""
+    return [path] if path.name.endswith((SUFFIX, ".yml")) else [path, path.with_name(path.name + SUFFIX)]
+
+
+def _packaged_key(name: str | Path) -> str:
+    return str(name).replace("\\", "/").removeprefix("./").removeprefix(PREFIX)
+
+
+def packaged_hint(name: str | Path) -> str:
+    """``" (did you mean the packaged config X?)"`` for the packaged config closest to ``name``, or ``""``."""
+    close = closest(config_name(_packaged_key(name)), packaged_names(), cutoff=0.8)
+    return f" (did you mean the packaged config {close}?)" if close else ""
+
+
 def find_packaged(name: str | Path) -> Path | None:
     """The packaged config called ``name`` (``methods/bitune``, ``methods/bitune.yaml`` or
-    ``configs/methods/bitune.yaml``), or ``None`` when there is none."""
-    text = str(name).replace("\\", "/").removeprefix("./").removeprefix(PREFIX)
+    ``configs/methods/bitune.yaml``; ``methods/theta_0.01`` by its whole text), or ``None`` when there is none."""
+    text = _packaged_key(name)
     if not text or text.startswith("/"):
         return None
     path = PACKAGED / (text if text.endswith((SUFFIX, ".yml")) else text + SUFFIX)
@@ -52,8 +74,7 @@ def resolve_config(name: str | Path, what: str = "config file") -> Path:
     path = Path(check_named(name, what)).expanduser()
     if path.is_dir():
         return check_input_file(path, what)  # raises: a folder, not a file
-    local = [path] if path.suffix else [path, path.with_name(path.name + SUFFIX)]
-    for candidate in local:
+    for candidate in _files(path):
         if candidate.is_file():
             return candidate
     packaged = find_packaged(name)
@@ -62,22 +83,29 @@ def resolve_config(name: str | Path, what: str = "config file") -> Path:
     try:
         return check_input_file(path, what)  # raises: not found (with a local near miss)
     except BituneError as e:
-        key = str(name).replace("\\", "/").removeprefix("./").removeprefix(PREFIX).removesuffix(SUFFIX)
-        close = closest(key, packaged_names(), cutoff=0.8)
-        hint = f" (did you mean the packaged config {close}?)" if close else ""
-        raise BituneError(f"{e}, nor a packaged config{hint}; list them with 'bitune configs list'") from None
+        raise BituneError(f"{e}, nor a packaged config{packaged_hint(name)}; list them with 'bitune configs list'"
+                          ) from None
 
 
 def resolve_extends(parent: str, child: Path) -> Path:
-    """The file an ``extends: parent`` line in ``child`` names: relative to ``child``, else the packaged config
-    ``parent`` (so an edited copy of a packaged config keeps extending its packaged base)."""
+    """The file an ``extends: parent`` line in ``child`` names: relative to ``child`` (``parent`` or
+    ``parent.yaml``), else the packaged config ``parent`` (so an edited copy of a packaged config keeps extending
+    its packaged base).
+
+    Raises:
+        BituneError: neither exists (naming the closest packaged config, if one is close).
+    """
     local = child.parent / parent
-    if local.is_file():
-        return local
+    for candidate in _files(local):
+        if candidate.is_file():
+            return candidate
     packaged = find_packaged(parent)
     if packaged is not None:
         return packaged
-    return check_input_file(local, f"config {child}: 'extends' file")
+    try:
+        return check_input_file(local, f"config {child}: 'extends' file")  # raises: not found
+    except BituneError as e:
+        raise BituneError(f"{e}, nor a packaged config{packaged_hint(parent)}") from None
 
 
 def describe(name: str) -> str:
@@ -105,7 +133,7 @@ def copy_config(name: str, dest: str | Path) -> Path:
     """
     source = find_packaged(name)
     if source is None:
-        close = closest(str(name).removesuffix(SUFFIX), packaged_names())
+        close = closest(config_name(_packaged_key(name)), packaged_names())
         hint = f" (did you mean {close}?)" if close else ""
         raise BituneError(f"no packaged config {name!r}{hint}; list them with 'bitune configs list'")
     target = Path(check_named(dest, "DEST")).expanduser()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import VARIANTS, BituneConfig
-from ..config_files import find_packaged
+from ..config_files import config_name, find_packaged, packaged_names
 from ..errors import BituneError, closest
 from ..eval.report import load_records, results_below
 from ..files import check_output_dir
@@ -80,6 +80,9 @@ def parse_methods(text: str) -> list[Method]:
         base = name.rstrip("0123456789-_")
         close, rank = closest(base, VARIANTS), name[len(base):].strip("-_")
         hint = f" (did you mean {close + (rank if close != 'pretrained' else '')!r}?)" if close else ""
+        files = [n.removeprefix("methods/") for n in packaged_names() if n.startswith("methods/")]
+        if not close and (close := closest(name, files, cutoff=0.8)):
+            hint = f" (did you mean {close!r}, the packaged method file?)"
         raise BituneError(f"unknown method {name!r}{hint}: use a variant ({', '.join(VARIANTS)}) with an optional "
                           "rank suffix, e.g. lora16, a packaged method file by its name ('bitune configs list': "
                           "methods/...), or a method file's path")
@@ -97,7 +100,7 @@ def _overlay_method(path: Path) -> Method:
     variant = section.get("variant", BituneConfig.variant)
     if variant == "pretrained":
         raise BituneError(f"method file {path}: variant 'pretrained' trains nothing; use the method 'pretrained'")
-    return Method(path.stem, str(variant), None, path)
+    return Method(config_name(path.name), str(variant), None, path)
 
 
 def parse_seeds(text: str) -> list[int]:
