@@ -15,6 +15,7 @@ from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import one_error_line
+from test_hardening import _eval_json, manifest
 
 EAGER_ONLY = {  # model types that implement no sdpa attention: transformers' own default loads them with eager
     "gemma2": lambda: Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -85,3 +86,29 @@ def test_an_extends_near_miss_suggests_the_packaged_config(tmp_path, capsys):
 def test_a_method_near_miss_suggests_the_packaged_method_file():
     with pytest.raises(BituneError, match="did you mean 'bitune_clip_adapters'"):
         parse_methods("bitune_clip_adaptrs")
+
+
+# ------------------------------------------------------------------------------- C. report.yaml names
+@pytest.mark.parametrize("setting, text, named, hint", [
+    ("pairs", "pairs: [[bitnue, lora]]\n", "bitnue", "bitune"),
+    ("fair_baselines", "fair_baselines: [lora61]\n", "lora61", "lora16"),
+    ("methods", "methods: [pretrained, lora, lroa16, bitune]\n", "lroa16", "lora16"),
+])
+def test_a_report_yaml_name_that_matches_no_run_is_refused(tmp_path, capsys, setting, text, named, hint):
+    """A pair or a fair baseline naming no run dropped its comparison without a word; a misspelt method lost its
+    place in the order. Checked against every run of the study, so a report of one of its folders still reads."""
+    for label in ("pretrained", "lora", "lora16", "bitune"):
+        _eval_json(tmp_path / "study" / "piqa" / f"{label}-42", label=label)
+    (tmp_path / "study" / "report.yaml").write_text(text)
+    before = manifest(tmp_path)
+    assert main(["report", str(tmp_path / "study"), "--no-figure"]) == 2
+    line = one_error_line(capsys, "report")
+    assert f"{setting} names {named!r}" in line and f"did you mean {hint!r}" in line and "report.yaml" in line, line
+    assert manifest(tmp_path) == before
+
+
+def test_a_report_of_one_folder_of_a_study_checks_names_against_the_whole_study(tmp_path, capsys):
+    for label, task in (("lora", "piqa"), ("bitune", "piqa"), ("lora_compute", "csqa"), ("bitune", "csqa")):
+        _eval_json(tmp_path / "study" / task / f"{label}-42", label=label)
+    (tmp_path / "study" / "report.yaml").write_text("fair_baselines: [lora_compute]\n")
+    assert main(["report", str(tmp_path / "study" / "piqa"), "--no-figure"]) == 0, capsys.readouterr().err

@@ -24,6 +24,7 @@ from ..eval.report import (
     load_records,
     plot_accuracy,
     print_report,
+    results_below,
     title_of,
     write_report,
 )
@@ -126,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
     limits = {r["config"].get("limit") for r in records}
     if len(limits) > 1:
         print(f"bitune report: warning: runs used different --limit values {sorted(map(str, limits))}")
-    baselines = check_baselines(args.baselines, {r["label"] for r in records})
+    labels = {r["label"] for r in records}
+    if settings_file is not None:  # checked against the whole study's runs: a report of one of its folders reads
+        study = load_records(results_below(settings_file.parent))
+        settings.check_names(labels | {r["label"] for r in study}, settings_file)
+    baselines = check_baselines(args.baselines, labels)
     analysis = analyse(records, args.metric, args.gsm8k_metric, baselines, settings)
     report, markdown, tasks = build_markdown(records, args.metric, args.gsm8k_metric, baselines, analysis)
     embeds = [(Path(check_named(d, "--embed")), markdown, EMBED_BEGIN, EMBED_END, "--embed") for d in args.embed]

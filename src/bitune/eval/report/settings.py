@@ -64,6 +64,22 @@ class ReportSettings:
             if Path(run).is_absolute() or ".." in Path(run).parts:
                 raise BituneError(f"report setting runs: {run!r} is not a folder inside the study's folder")
 
+    def check_names(self, labels: set[str], path: Path) -> None:
+        """Every method these settings name (``methods`` where given, ``fair_baselines``, ``pairs``) is the label
+        of a run in ``labels`` (the study's): a name that matches none would drop its comparison, or its place in
+        the order, without a word.
+
+        Raises:
+            BituneError: naming the file, the setting, the name and the closest label.
+        """
+        named = [("methods", m) for m in self.methods if self.methods != ReportSettings.methods]
+        named += [("fair_baselines", m) for m in self.fair_baselines or ()]
+        named += [("pairs", m) for pair in self.pairs for m in pair]
+        for setting, name in named:
+            if name not in labels:
+                raise BituneError(f"{path}: {setting} names {name!r}, but no run of the study is labelled so"
+                                  f"{did_you_mean(name, labels)}; the runs' methods: {', '.join(sorted(labels))}")
+
     def method_key(self, label: str) -> tuple[int, str]:
         """Sort key: the methods named in :attr:`methods` first, in that order, then the others by name."""
         return (self.methods.index(label), "") if label in self.methods else (len(self.methods), label)
