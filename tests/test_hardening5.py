@@ -13,8 +13,9 @@ from bitune.cli import main
 from bitune.commands.sweep import parse_methods
 from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
+from bitune.train import load_settings
 from helpers.tokenizer import tiny_tokenizer
-from test_cli_errors import one_error_line
+from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
 from test_hardening import _eval_json, manifest
 
 EAGER_ONLY = {  # model types that implement no sdpa attention: transformers' own default loads them with eager
@@ -112,3 +113,28 @@ def test_a_report_of_one_folder_of_a_study_checks_names_against_the_whole_study(
         _eval_json(tmp_path / "study" / task / f"{label}-42", label=label)
     (tmp_path / "study" / "report.yaml").write_text("fair_baselines: [lora_compute]\n")
     assert main(["report", str(tmp_path / "study" / "piqa"), "--no-figure"]) == 0, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- D. sweep's resumed runs
+@pytest.mark.usefixtures("no_work")
+def test_sweep_checks_a_resumed_runs_settings_before_its_first_run(tmp_path, capsys):
+    """An unfinished ``bitune-42`` saved at share 0.3, a sweep with ``--set bitune.init_share=0.2``: lora-42 was
+    trained and evaluated first, then the sweep failed with advice about --resume, which the user never typed."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    config = tmp_path / "train.yaml"
+    config.write_text(f"model: {tmp_path / 'base'}\nsteps: 4\n")
+    run_dir = tmp_path / "sw" / "bitune-42"
+    saved = load_settings([str(config)], ["bitune.variant=bitune", "bitune.init_share=0.3", "seed=42",
+                                          f"output_dir={run_dir}"])
+    (run_dir / "checkpoint-2").mkdir(parents=True)
+    (run_dir / "checkpoint-2" / "trainer_state.json").write_text('{"step": 2}')
+    (run_dir / "settings.yaml").write_text(saved.to_yaml())
+    before = manifest(tmp_path)
+    assert main(["sweep", "--config", str(config), "--methods", "lora,bitune", "--seeds", "42", "--tasks", "piqa",
+                 "--limit", "2", "--set", "bitune.init_share=0.2", "--output-dir", str(tmp_path / "sw")]) == 2
+    line = one_error_line(capsys, "sweep")
+    assert str(run_dir) in line and "bitune.init_share (saved 0.3, now 0.2)" in line, line
+    assert "--resume" not in line, line
+    assert manifest(tmp_path) == before and not (tmp_path / "sw" / "lora-42").exists()

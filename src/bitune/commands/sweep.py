@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import VARIANTS, BituneConfig
+from ..config import CONFIG_FILE, VARIANTS, BituneConfig
 from ..config_files import config_name, find_packaged, packaged_names
 from ..errors import BituneError, closest
 from ..eval.report import load_records, results_below
@@ -31,6 +31,7 @@ from ..hub import check_model_name, resolve_device
 from ..records import RESULT_FILE, record_splits
 from ..train import load_settings
 from ..train import train as train_run
+from ..train.run_folder import check_run_folder, checkpoints
 from ..train.settings import read_yaml
 from . import report
 from .options import add_threads_option
@@ -212,6 +213,27 @@ def run_settings(args: argparse.Namespace, method: Method, seed: int, run_dir: P
         raise BituneError(f"method file {method.overlay}: {e}") from e
 
 
+def check_start(run_dir: Path, settings) -> tuple[bool, bool] | None:
+    """How the sweep starts the run in ``run_dir``: None when its ``final/`` is there (only evaluated), else
+    ``(resume, restart)``: an unfinished run with a checkpoint is resumed, one without is started again. Checked
+    before the sweep's first run (:func:`bitune.train.run_folder.check_run_folder`): a run that cannot resume
+    (settings other than the saved run's, no complete checkpoint) stops the sweep before anything trains.
+
+    Raises:
+        BituneError: naming the run folder and why it cannot be resumed or restarted.
+    """
+    if (run_dir / "final" / CONFIG_FILE).is_file():
+        return None
+    resume = bool(checkpoints(run_dir))  # complete ones: a run cut while saving its first starts again
+    restart = not resume and run_dir.exists()
+    try:
+        check_run_folder(run_dir, settings, resume, overwrite=restart)
+    except BituneError as e:
+        raise BituneError(f"{run_dir} holds an unfinished run, which the sweep resumes: "
+                          f"{str(e).removeprefix('--resume: ')}") from e
+    return resume, restart
+
+
 def run(args: argparse.Namespace) -> int:
     from ..eval.evaluate import check_eval_options, quiet_lm_eval  # lm-eval (the eval extra): before anything trains
     from ..eval.tasks import PREFIX, make_tasks, task_split
@@ -232,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     done = [check_done(result, splits, args.limit, base_model) for result in results]  # every run's eval.json, read now
     settings = [None if seed is None else run_settings(args, method, seed, result.parent)
                 for (method, seed), result in zip(plan, results)]  # every run's settings, checked now
-    for (method, seed), result, finished, prepared in zip(plan, results, done, settings):
+    starts = [None if prepared is None or finished else check_start(result.parent, prepared)
+              for result, finished, prepared in zip(results, done, settings)]  # every earlier run's folder, now
+    for (method, seed), result, finished, prepared, start in zip(plan, results, done, settings, starts):
         run_dir = result.parent
         if finished:
             print(f"bitune sweep: {run_dir} already evaluated, skipped")
@@ -242,9 +266,8 @@ def run(args: argparse.Namespace) -> int:
                          device=args.device, label=method.label, output=result, split=args.split)
             continue
         final = run_dir / "final"
-        if not (final / "bitune_config.json").is_file():
-            resume = any(run_dir.glob("checkpoint-*"))
-            restart = not resume and run_dir.exists()
+        if start is not None:
+            resume, restart = start
             if restart:  # an interrupted run with nothing to resume: the trainer replaces its own files only
                 print(f"bitune sweep: {run_dir} holds an unfinished run without a checkpoint; starting it again")
             print(f"bitune sweep: training {method.label} seed {seed} -> {run_dir}")
