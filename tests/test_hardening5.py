@@ -14,6 +14,7 @@ from bitune.commands.sweep import parse_methods
 from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
 from bitune.train import load_settings
+from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
 from test_hardening import _eval_json, manifest
@@ -138,3 +139,23 @@ def test_sweep_checks_a_resumed_runs_settings_before_its_first_run(tmp_path, cap
     assert str(run_dir) in line and "bitune.init_share (saved 0.3, now 0.2)" in line, line
     assert "--resume" not in line, line
     assert manifest(tmp_path) == before and not (tmp_path / "sw" / "lora-42").exists()
+
+
+# ------------------------------------------------------------------------------- E. a declined merge at export
+def test_export_merged_of_a_model_whose_merge_is_declined_names_the_reason(tmp_path, monkeypatch, capsys):
+    """The error was 'merged_model() needs the causal set merged: call merge() first', advice for Python; the
+    reason sat in a warning above it."""
+    import bitune.probe
+
+    ckpt, _ = save_checkpoint(tmp_path)
+    note = "merge() declined: PEFT's merge of this model's adapted layers moves its logits by 0.5; it runs unmerged"
+
+    def declined(model, bidir_copy=False):  # what checked_merge does where PEFT's merge is inexact (LongCat-Flash)
+        model.support.merge, model.support.note = False, note
+
+    monkeypatch.setattr(bitune.probe, "checked_merge", declined)
+    before = manifest(tmp_path)
+    assert main(["export", "--checkpoint", str(ckpt), "--merged", str(tmp_path / "exported")]) == 2
+    line = one_error_line(capsys, "export")
+    assert note.removeprefix("merge() declined: ") in line and "call merge()" not in line, line
+    assert manifest(tmp_path) == before and not (tmp_path / "exported").exists()

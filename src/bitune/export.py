@@ -41,7 +41,8 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
         The folder, as a ``Path``.
 
     Raises:
-        BituneError: the method is ``full`` (its causal set is a whole model already: ``bitune/causal``).
+        BituneError: the method is ``full`` (its causal set is a whole model already: ``bitune/causal``), or the
+            merge is declined (it would change the model's logits: naming by how much).
     """
     if model.config.method == "full" and model.config.weight_sets:
         raise BituneError("method 'full' holds the causal weights as a whole model already (causal/ in its "
@@ -51,6 +52,11 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
     was_merged = model.merged
     model.merge()
     try:
+        if not model.merged:  # the merge checked itself and was undone (bitune.probe.checked_merge)
+            reason = (model.support.note or "the merged weights do not give the model's logits").removeprefix(
+                "merge() declined: ")
+            raise BituneError(f"this model's causal weights cannot be merged: {reason}. There is no merged model "
+                              "to export; serve or generate from the checkpoint itself")
         plain = model.weights.merged_model()
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
