@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bitune.adapters import WeightSets
+from bitune import methods
 from bitune.mixer import Mixer
 from bitune.support import UnsupportedModelError
 from helpers import architectures as A
@@ -89,13 +89,13 @@ def test_the_correctness_check_fails_when_the_bidirectional_pass_is_causal(monke
 def test_the_merge_check_fails_when_expert_weights_are_not_merged_for_the_bidirectional_pass(monkeypatch):
     """A merge that keeps no bidirectional copy of the fused expert weights runs the bidir pass with the causal
     experts: check_merge must see the logits move."""
-    original = WeightSets._merged_copy
+    original = methods.merged_copy
 
     def without_experts(layer, name):
         base, tensors = original(layer, name)
         return base, {} if hasattr(layer, "parameter_name") else tensors
 
-    monkeypatch.setattr(WeightSets, "_merged_copy", staticmethod(without_experts))
+    monkeypatch.setattr(methods, "merged_copy", without_experts)
     notes = []
     assert A.check_merge("qwen3_moe", "sdpa", torch.float32, notes) is None and "declined" in notes[0]  # merge sees it
     monkeypatch.setattr("bitune.probe.agree", lambda a, b: True)  # merge's own check made blind

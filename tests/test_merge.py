@@ -157,7 +157,7 @@ def test_dora_bidir_copy_is_put_back_exactly():
     plain, merged = pair("bitune", "dora")
     layer = next(m for m in merged.weights.model.modules() if hasattr(m, "merged_adapters") and m.merged_adapters)
     assert layer.merged_adapters == ["causal"]
-    assert len(merged.weights._bidir_merged) == sum(
+    assert len(merged.weights.bidir_copies) == sum(
         1 for m in merged.weights.model.modules() if hasattr(m, "merged_adapters"))
 
 

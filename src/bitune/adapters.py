@@ -1,36 +1,32 @@
 """The two weight sets of a Bitune model ("causal" and "bidir") on one Hugging Face model.
 
-PEFT methods (LoRA, DoRA, IA3) keep both sets as named adapters of one PeftModel, in PEFT's own format. The
-causal adapter is PEFT's active adapter at all times, so a plain forward (and transformers' ``generate``) runs
-the causal weights. A forward with the bidir weights, or with different weights on different rows or positions
-(the batched and fused paths), is computed explicitly for plain LoRA: :func:`routed` makes each LoRA layer
-compute :func:`routed_lora_forward` for the length of one forward. DoRA and IA3 cannot be routed; their bidir
-passes switch PEFT's active adapter with its public ``set_adapter`` (:meth:`WeightSets._switched_to`). Full
-fine-tuning keeps the model's own weights as the causal set and a second full copy, applied with
-``torch.func.functional_call``, as the bidir set.
+:class:`WeightSets` owns the base model and the sets, and delegates what differs between training methods (how
+the sets are created, which parameters each trains, how a bidir forward runs and how the sets merge) to the
+method's strategy in :mod:`bitune.methods`. A forward with different weights on different rows or positions
+(the batched and fused paths) is computed explicitly for plain LoRA: :func:`routed` makes each LoRA layer
+compute :func:`routed_lora_forward` for the length of one forward.
 
-This is the only module that touches PEFT's layers: :func:`routed` is the only place that changes how a PEFT
-LoRA layer computes.
+:func:`routed` is the only place that changes how a PEFT LoRA layer computes.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .config import BituneConfig
 from .errors import BituneError
+from .methods import STRATEGIES
 from .recompute import recorded
 
 WEIGHT_SETS = ("causal", "bidir")
@@ -196,87 +192,34 @@ def _bound(layer: LoraLinear, routing: Routing):
     return forward
 
 
-def tuple_linears(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` that subclass ``nn.Linear`` with a forward of their own that does not
-    return a tensor (MoE routers that return scores and expert indices: Llama 4, PhiMoE). PEFT's ``all-linear``
-    would adapt them as plain linear layers and add its update to whatever they return; ``all-linear`` leaves
-    them out. Each candidate is called on a zero input ((1, 1, d), else (4, d) tokens)."""
-    names = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or type(m).forward is nn.Linear.forward:
-            continue
-        for shape in ((1, 1, m.in_features), (4, m.in_features)):  # tokens as (B, T, d) or flattened
-            try:
-                with torch.no_grad():
-                    out = m(torch.zeros(shape, dtype=m.weight.dtype, device=m.weight.device))
-            except Exception:  # noqa: BLE001, S112 - a forward that needs more: the next shape, else PEFT decides
-                continue
-            if not isinstance(out, torch.Tensor):
-                names.append(name)
-            break
-    return names
-
-
-def _peft_config(config: BituneConfig, model: nn.Module):
-    if config.method in ("lora", "dora"):
-        exclude = tuple_linears(model) if config.target_modules == "all-linear" else []
-        return LoraConfig(
-            r=config.rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules, use_dora=config.method == "dora", bias="none",
-            **({"exclude_modules": exclude} if exclude else {}),
-        )
-    if config.target_modules == "all-linear":
-        return IA3Config()  # PEFT's per-architecture defaults (attention k/v and the MLP down projection)
-    return IA3Config(target_modules=config.target_modules, feedforward_modules=[])
-
-
 class WeightSets(nn.Module):
-    """Owns the base model and the weight sets a config asks for.
+    """Owns the base model and the weight sets a config asks for; what differs between methods is the method's
+    strategy (:data:`bitune.methods.STRATEGIES`).
 
     Args:
         model: a Hugging Face causal LM (not yet wrapped by PEFT).
-        config: the Bitune config; ``config.weight_sets`` says which sets exist.
+        config: the Bitune config; ``config.weight_sets`` says which sets exist, ``config.method`` how.
     """
 
     def __init__(self, model: nn.Module, config: BituneConfig):
         super().__init__()
         self.method = config.method
+        self.strategy = STRATEGIES[config.method]
         self.names = config.weight_sets
         self.bidir_model: nn.Module | None = None
-        self._lora_layers: list[LoraLinear] = []
-        self._tuner_layers: list[BaseTunerLayer] = []
+        """A second full model for the bidir set (``method="full"``)."""
+        self.tuner_layers: list[BaseTunerLayer] = []
         self.merged = False
         """Whether the causal set is merged into the base weights (inference; see :meth:`merge`)."""
         self.route_ok = True
         """False when a layer sees its tokens in a layout routing cannot follow (:mod:`bitune.support`)."""
-        self._bidir_merged: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
+        self.bidir_copies: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
         for p in model.parameters():
             p.requires_grad_(False)
-        if not self.names or config.method == "full":
-            self.model = model
-            if config.method == "full" and self.names:
-                for p in model.parameters():
-                    p.requires_grad_(p.is_floating_point())
-                if "bidir" in self.names:
-                    self.bidir_model = copy.deepcopy(model)  # the same weights to start, trained apart
-            return
-        if isinstance(model, PeftModel):
-            raise ValueError("wrap() expects a plain transformers model, not a PeftModel: "
-                             "Bitune adds its own adapters")
-        peft_config = _peft_config(config, model)
-        try:
-            with warnings.catch_warnings():  # PEFT reads a property transformers 5 deprecated
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-                self.model = get_peft_model(model, peft_config, adapter_name="causal")
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"PEFT cannot add {config.method} adapters to this model "
-                             f"({type(model).__name__}): {e}") from e
-        if "bidir" in self.names:
-            self.model.add_adapter("bidir", peft_config)
-        self.model.set_adapter("causal")  # the causal weights are what a plain forward runs
-        self.model.set_requires_grad(list(self.names), True)  # set_adapter froze the other adapter
-        self._tuner_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
-        self._lora_layers = [m for m in self._tuner_layers if isinstance(m, LoraLinear)]
+        self.model = model  # a variant without weight sets trains nothing
+        if self.names:
+            self.strategy.create(self, model, config)
+        self._lora_layers: list[LoraLinear] = self.strategy.routed_layers(self) if self.names else []
 
     @property
     def peft(self) -> bool:
@@ -294,8 +237,7 @@ class WeightSets(nn.Module):
     @property
     def routable(self) -> bool:
         """Whether different weight sets can run on different rows or positions of one forward (plain LoRA)."""
-        return (self.method == "lora" and self.peft and bool(self._lora_layers) and self.route_ok
-                and len(self._lora_layers) == len(self._tuner_layers) and not self._bidir_merged)
+        return bool(self._lora_layers) and self.route_ok and not self.bidir_copies
 
     def can_route(self, names: list[str]) -> bool:
         """Whether one forward can apply these weight sets to different rows or positions (plain LoRA, or one
@@ -308,16 +250,10 @@ class WeightSets(nn.Module):
             raise ValueError(f"unknown weight set {name!r}; allowed: {WEIGHT_SETS}")
         if name == "causal" or name not in self.names:
             return self.model(**kwargs)  # the causal weights are always PEFT's active adapter
-        if self.method == "full":
-            return self.bidir_model(**kwargs)
         if self.routable:
             with recorded(routed, self._lora_layers, Routing([(name, 1)])):
                 return self.model(**kwargs)
-        if self.merged:
-            with self._bidir_weights_swapped_in():
-                return self.model(**kwargs)
-        with recorded(self._switched_to, name):
-            return self.model(**kwargs)
+        return self.strategy.call(self, name, kwargs)
 
     def call_rows(self, names: list[str], **kwargs):
         """Run one forward whose row r uses weight set ``names[r]``."""
@@ -359,17 +295,9 @@ class WeightSets(nn.Module):
         Gradients need the unmerged factors: a merged model does not train (:meth:`unmerge` first; trainers do
         it). A no-op when merged already, or when there is nothing to merge (``method="full"``, ``pretrained``).
         """
-        if self.merged or not self.peft:
+        if self.merged or not self.names:
             return
-        if "bidir" in self.names and (bidir_copy or not self.routable):
-            self._bidir_merged = [self._merged_copy(layer, "bidir") for layer in self._tuner_layers]
-        for layer in self._tuner_layers:
-            layer.merge(adapter_names=["causal"])
-            # PEFT's forward of a merged layer only calls its base layer, after checks and bookkeeping that cost
-            # a decoding step a few percent on a small model; the merged layer calls it directly instead (the
-            # base layer's own __call__, so hooks on it still run). unmerge() and routed() put PEFT's back.
-            layer.forward = layer.base_layer.__call__
-        self.merged = True
+        self.merged = self.strategy.merge(self, "bidir" in self.names and (bidir_copy or not self.routable))
 
     @torch.no_grad()
     def unmerge(self) -> None:
@@ -378,16 +306,13 @@ class WeightSets(nn.Module):
         never merged). A no-op when not merged."""
         if not self.merged:
             return
-        for layer in self._tuner_layers:
-            layer.__dict__.pop("forward", None)
-            layer.unmerge()
-        self._bidir_merged = []
+        self.strategy.unmerge(self)
         self.merged = False
 
     def merged_bidir_tensors(self) -> list[torch.Tensor]:
         """The copies of base weights (and biases) with the bidir set merged that a merged DoRA or IA3 model holds
         for its bidir prompt pass (:meth:`merge`); empty otherwise. What merging adds to the model's memory."""
-        return [t for _, tensors in self._bidir_merged for t in tensors.values()]
+        return [t for _, tensors in self.bidir_copies for t in tensors.values()]
 
     @torch.no_grad()
     def merged_model(self) -> nn.Module:
@@ -413,54 +338,6 @@ class WeightSets(nn.Module):
         plain.generation_config = self.base.generation_config
         return plain
 
-    @staticmethod
-    def _merged_copy(layer: BaseTunerLayer, name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        """The tensors of ``layer``'s base module that set ``name`` adapts, merged (computed by PEFT's own
-        merge on the layer, whatever it adapts: a linear weight and bias, or one fused 3-D expert parameter of a
-        mixture of experts), after which the original tensors are put back exactly (not un-merged)."""
-        base = layer.get_base_layer()
-        names = ([layer.parameter_name] if hasattr(layer, "parameter_name")  # a wrapped 3-D expert parameter
-                 else [k for k in ("weight", "bias") if isinstance(getattr(base, k, None), torch.Tensor)])
-        before = {k: getattr(base, k).data.clone() for k in names}
-        layer.merge(adapter_names=[name])
-        merged = {}
-        for k in names:
-            param = getattr(base, k)
-            merged[k], param.data = param.data, before[k]
-        layer.merged_adapters.remove(name)
-        return base, merged
-
-    @contextmanager
-    def _bidir_weights_swapped_in(self) -> Iterator[None]:
-        """Within this block the base modules hold the bidir-merged tensors (DoRA, IA3, or layers that cannot be
-        routed, on a merged model)."""
-        def swap():
-            for base, tensors in self._bidir_merged:
-                for k, held in tensors.items():
-                    param = getattr(base, k)
-                    tensors[k], param.data = param.data, held
-        swap()
-        try:
-            yield
-        finally:
-            swap()
-
-    @contextmanager
-    def _switched_to(self, name: str) -> Iterator[None]:
-        """PEFT's active adapter is ``name`` within this block (DoRA, IA3: layers that cannot be routed).
-
-        PEFT's public ``set_adapter`` also sets ``requires_grad`` (only the active adapter trainable); every flag is
-        put back afterwards, so both sets stay trainable and bidir weights frozen at wrap time stay frozen.
-        """
-        flags = [(p, p.requires_grad) for p in self.model.parameters()]
-        self.model.set_adapter(name)
-        try:
-            yield
-        finally:
-            self.model.set_adapter("causal")
-            for p, flag in flags:
-                p.requires_grad_(flag)
-
     def freeze_unreached(self, name: str, output: torch.Tensor) -> None:
         """Freeze the parameters of weight set ``name`` that no gradient of ``output`` (a scalar) reaches."""
         params = self.parameters_of(name)
@@ -473,16 +350,4 @@ class WeightSets(nn.Module):
         """Trainable parameters of one weight set, by name (empty if the set does not exist)."""
         if name not in self.names:
             return {}
-        if self.method == "full":
-            model = self.bidir_model if name == "bidir" else self.model
-            return {k: p for k, p in model.named_parameters() if p.is_floating_point()}
-        owned = set()
-        for layer in self._tuner_layers:
-            for attr in layer.adapter_layer_names:
-                store = getattr(layer, attr)
-                entry = store[name] if name in store else None
-                if isinstance(entry, nn.Parameter):
-                    owned.add(id(entry))
-                elif entry is not None:
-                    owned.update(id(p) for p in entry.parameters())
-        return {k: p for k, p in self.model.named_parameters() if id(p) in owned}
+        return self.strategy.parameters_of(self, name)
