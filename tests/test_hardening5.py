@@ -4,6 +4,7 @@ MoE models, init_share's high end, and two eval processes writing one output."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,15 @@ def test_export_merged_of_a_model_whose_merge_is_declined_names_the_reason(tmp_p
     line = one_error_line(capsys, "export")
     assert note.removeprefix("merge() declined: ") in line and "call merge()" not in line, line
     assert manifest(tmp_path) == before and not (tmp_path / "exported").exists()
+
+
+def test_runs_on_as_many_but_other_questions_are_told_the_questions_differ(tmp_path, capsys):
+    """Two runs with --limit 2 on different questions were told 'evaluated on 2 questions, other runs on 2
+    (different --limit?)'."""
+    _eval_json(tmp_path / "runs" / "lora-42")
+    other = json.loads(_eval_json(tmp_path / "runs" / "bitune-42", label="bitune").read_text())
+    other["samples"]["piqa"]["doc_id"] = [0, 5]
+    (tmp_path / "runs" / "bitune-42" / "eval.json").write_text(json.dumps(other))
+    assert main(["report", str(tmp_path / "runs"), "--no-figure"]) == 2
+    line = one_error_line(capsys, "report")
+    assert "different --limit" not in line and "other questions" in line and "doc_id 5" in line, line

@@ -211,6 +211,18 @@ class TaskRuns:
     """Number of answer choices of each question (from the stored log-likelihoods), when known."""
 
 
+def _other_questions(run: str, doc_ids: list[int], entry: TaskRuns) -> str:
+    """How ``run``'s questions differ from those of the runs before it: their number (another ``--limit``) or,
+    as many, which ones (another split or sample)."""
+    label, first = next(((m, runs.seeds[0]) for m, runs in entry.methods.items()), ("?", None))
+    if len(doc_ids) != len(entry.doc_ids):
+        return (f"run {run} was evaluated on {len(doc_ids)} questions, run {label} (seed {first}) on "
+                f"{len(entry.doc_ids)} (different --limit?)")
+    here, there = next((a, b) for a, b in zip(doc_ids, entry.doc_ids) if a != b)
+    return (f"runs {run} and {label} (seed {first}) were evaluated on as many ({len(doc_ids)}) but other "
+            f"questions (doc_id {here} in one, doc_id {there} in the other: another split, data version or sample)")
+
+
 def collect_runs(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exact_match_strict",
                  settings: ReportSettings | None = None) -> tuple[dict[str, TaskRuns], list[str]]:
     """Per task, each method's per-question correctness (from the eval JSONs' ``samples``).
@@ -245,11 +257,10 @@ def collect_runs(records: list[dict], metric: str = "acc", gsm8k_metric: str = "
             limit = r["config"].get("limit")
             entry = tasks.setdefault(task, TaskRuns(doc_ids, limit, {}))
             seed = r["config"].get("train_seed")
-            if doc_ids != entry.doc_ids:
-                raise BituneError(f"task {task}: run {r['label']} (seed {seed}) was evaluated on {len(doc_ids)} "
-                                  f"questions, other runs on {len(entry.doc_ids)} (different --limit?); paired "
-                                  "statistics need the same questions")
             run = f"{r['label']} (seed {seed})"
+            if doc_ids != entry.doc_ids:
+                raise BituneError(f"task {task}: {_other_questions(run, doc_ids, entry)}; paired statistics need "
+                                  "the same questions")
             gold = [table["gold"][i] for i in order] if "gold" in table else None
             if gold is not None and entry.gold is not None and gold != entry.gold[1]:
                 first, differ = entry.gold[0], [d for d, a, b in zip(doc_ids, gold, entry.gold[1]) if a != b]
