@@ -13,9 +13,11 @@ statistics.
    baseline has them), its mean with a bootstrap interval over questions, and per seed the discordant counts and
    the exact McNemar p-value (seed s of the method against seed s of the baseline, or against its one run).
    Beside it a two-level bootstrap interval (seed pairs, then questions; short at few seeds) and the seed-aware
-   t-test and interval (:func:`bitune.stats.seed_aware_test`: a t whose variance is a paired t's over seed
-   pairs plus a question-level t's, Satterthwaite's degrees of freedom), which covers other training seeds as
-   well as other questions; a sign-flip permutation p-value over questions is shown for these trained models. The paper's
+   t-test and interval (:func:`bitune.stats.seed_aware_test`: a t over seed pairs with S - 1 degrees of
+   freedom whose variance adds the question part beyond the residual), the one that decides, meant for other
+   training seeds as well as other questions and calibrated in the tails Holm reads
+   (``scripts/stats_coverage.py``); a sign-flip permutation p-value over questions is shown for these trained
+   models. The paper's
    ablations (``shared_weights``, ``naive_bidir``, ...) are also compared with ``bitune``, and ``bitune`` with
    the study's fair baselines (``report.yaml``: e.g. LoRA at its parameter count or its compute; default: every
    other method). Every comparison's seed-aware p-value is adjusted by Holm's method over the family of all

@@ -1,8 +1,10 @@
 """What a report shows, computed (on :mod:`bitune.stats`): the table over seeds (:func:`aggregate`), each method
 against each baseline paired question by question (:class:`Comparison`), the same pooled over tasks
 (:class:`Pooled`), the trivial baselines (:func:`trivial_baselines`) and Holm's adjustment of the seed-aware
-p-values (:func:`bitune.stats.seed_aware_test`: training seeds and questions) over all comparisons (:func:`analyse`). Which methods are paired: every method with each ``--baselines`` entry, each of the paper's
-ablations with ``bitune``, and ``bitune`` with the study's fair baselines (:class:`ReportSettings`)."""
+p-values (:func:`bitune.stats.seed_aware_test`: a t over seed pairs with S - 1 degrees of freedom that covers
+training seeds and questions) over all comparisons (:func:`analyse`). Which methods are paired: every method with
+each ``--baselines`` entry, each of the paper's ablations with ``bitune``, and ``bitune`` with the study's fair
+baselines (:class:`ReportSettings`)."""
 
 from __future__ import annotations
 
@@ -10,20 +12,19 @@ import csv
 import io
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
 from ...config import VARIANTS
 from ...errors import BituneError
 from ...stats import (
+    Interval,
     SeedTest,
     holm,
     pooled_seed_aware_test,
     pooled_sign_flip_test,
     pooled_two_level_bootstrap,
-    seed_aware_test,
-    sign_flip_test,
-    two_level_bootstrap,
 )
 from .records import TASK_ORDER, TaskRuns, check_comparable, collect_runs, metric_of, task_title
 from .settings import ReportSettings
@@ -129,8 +130,36 @@ def aggregate(records: list[dict], metric: str = "acc", gsm8k_metric: str = "exa
 
 
 # ------------------------------------------------------------------------------------------ paired statistics
+class Tested:
+    """The tests of a comparison made of per-task :attr:`parts` (one for a single task), each computed once: on one
+    task the pooled functions are the single-task ones (:func:`~bitune.stats.pooled_seed_aware_test` of one task is
+    :func:`~bitune.stats.seed_aware_test`, and likewise the sign-flip test and the two-level bootstrap)."""
+
+    parts: list[Comparison]
+
+    @cached_property
+    def test(self) -> SeedTest:
+        """The seed-aware t-test and interval of the (task-averaged) difference: what "resolved" is decided by."""
+        return pooled_seed_aware_test([c.pair_differences for c in self.parts])
+
+    @property
+    def p(self) -> float:
+        """The seed-aware p-value (what Holm's adjustment takes)."""
+        return self.test.p
+
+    @cached_property
+    def question_p(self) -> float:
+        """The (weighted) sign-flip p-value over questions, given these trained models."""
+        return pooled_sign_flip_test([c.diff for c in self.parts])
+
+    @cached_property
+    def interval(self) -> Interval:
+        """The two-level bootstrap interval (per task: seed pairs, then questions) of the difference."""
+        return pooled_two_level_bootstrap([c.pair_differences for c in self.parts])
+
+
 @dataclass
-class Comparison:
+class Comparison(Tested):
     """A method against a baseline on one task, paired question by question over their common seeds."""
 
     task: str
@@ -146,32 +175,6 @@ class Comparison:
     def pair_differences(self) -> np.ndarray:
         """(seed pairs, n): per seed pair and question, method minus baseline."""
         return np.stack([a - b for _, a, b in self.pairs])
-
-    @property
-    def test(self) -> SeedTest:
-        """The seed-aware t-test and interval (seeds and questions; :func:`~bitune.stats.seed_aware_test`)."""
-        if not hasattr(self, "_test"):
-            self._test = seed_aware_test(self.pair_differences)
-        return self._test
-
-    @property
-    def p(self) -> float:
-        """The seed-aware p-value (what Holm's adjustment takes, and "resolved" is decided by)."""
-        return self.test.p
-
-    @property
-    def question_p(self) -> float:
-        """The sign-flip p-value over questions (given these trained models), computed once."""
-        if not hasattr(self, "_question_p"):
-            self._question_p = sign_flip_test(self.diff)
-        return self._question_p
-
-    @property
-    def interval(self):
-        """The two-level bootstrap interval (seed pairs, then questions) of the difference, computed once."""
-        if not hasattr(self, "_interval"):
-            self._interval = two_level_bootstrap(self.pair_differences)
-        return self._interval
 
     @property
     def parts(self) -> list[Comparison]:
@@ -276,38 +279,12 @@ def comparisons(tasks: dict[str, TaskRuns], baselines: list[str], methods: set[s
 
 
 @dataclass
-class Pooled:
+class Pooled(Tested):
     """A method against a baseline over several tasks: the mean over tasks of the per-task paired differences."""
 
     method: str
     baseline: str
     parts: list[Comparison]
-
-    @property
-    def test(self) -> SeedTest:
-        """The seed-aware t-test and interval of the task-averaged difference (:func:`~bitune.stats.pooled_seed_aware_test`)."""
-        if not hasattr(self, "_test"):
-            self._test = pooled_seed_aware_test([c.pair_differences for c in self.parts])
-        return self._test
-
-    @property
-    def p(self) -> float:
-        """The seed-aware p-value (what Holm's adjustment takes)."""
-        return self.test.p
-
-    @property
-    def question_p(self) -> float:
-        """The weighted sign-flip p-value over questions, computed once."""
-        if not hasattr(self, "_question_p"):
-            self._question_p = pooled_sign_flip_test([c.diff for c in self.parts])
-        return self._question_p
-
-    @property
-    def interval(self):
-        """The two-level bootstrap interval of the task-averaged difference, computed once."""
-        if not hasattr(self, "_interval"):
-            self._interval = pooled_two_level_bootstrap([c.pair_differences for c in self.parts])
-        return self._interval
 
     @property
     def where(self) -> str:
