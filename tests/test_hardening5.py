@@ -5,16 +5,19 @@ MoE models, init_share's high end, and two eval processes writing one output."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, Gemma2Config, GPTNeoConfig
 
+from bitune import BituneConfig, BituneModel
 from bitune.cli import main
 from bitune.commands.sweep import parse_methods
 from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
 from bitune.train import load_settings
+from helpers.architectures import tiny_model as tiny_of_type
 from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
@@ -172,3 +175,19 @@ def test_runs_on_as_many_but_other_questions_are_told_the_questions_differ(tmp_p
     assert main(["report", str(tmp_path / "runs"), "--no-figure"]) == 2
     line = one_error_line(capsys, "report")
     assert "different --limit" not in line and "other questions" in line and "doc_id 5" in line, line
+
+
+# ------------------------------------------------------------------------------- H. PEFT's noise on MoE models
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_a_moe_model_wraps_without_peft_pattern_warnings(model_type):
+    """PEFT's v4 -> v5 conversion gives the fused ``gate_up_proj`` experts rank and alpha patterns (2r, 2 alpha);
+    they apply, but PEFT's check looks for them among module names (the experts are a parameter) and warned twice
+    per adapter: 8 stderr lines on a 1-step run. Harmless: every adapted layer keeps the config's scaling, which the
+    test checks too."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = BituneModel.wrap(tiny_of_type(model_type), BituneConfig(rank=4, lora_alpha=1))
+    assert not [w for w in seen if "did not match any targeted module" in str(w.message)], \
+        [str(w.message) for w in seen]
+    layers = [m for m in model.modules() if hasattr(m, "r") and isinstance(m.r, dict) and "causal" in m.r]
+    assert layers and all(m.r["causal"] in (4, 8) and m.scaling["causal"] == 0.25 for m in layers)

@@ -16,6 +16,7 @@ One strategy object per method, in the manner of PEFT's ``LoraVariant``: statele
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,6 +110,24 @@ class Full(Method):
         return False  # two weight copies already: nothing to merge
 
 
+FUSED_EXPERT_PATTERNS = (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
+                         r"ignored: " + re.escape(repr([r".*\.gate_up_proj"])))
+"""PEFT's warning about the rank and alpha patterns its transformers v4 -> v5 conversion adds for MoE experts whose
+gate and up projections are fused into one 3-D parameter (mixtral, qwen2_moe and kin: rank 2r and alpha 2 alpha,
+the config's scaling). The patterns apply, but PEFT's check looks for them among module names only, and the
+experts are a parameter, so it warns that they matched nothing. Known harmless; silenced exactly."""
+
+
+@contextmanager
+def peft_quiet() -> Iterator[None]:
+    """Silence exactly the PEFT warnings known to be harmless here: a property transformers 5 deprecated that PEFT
+    reads, and :data:`FUSED_EXPERT_PATTERNS`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        warnings.filterwarnings("ignore", message=FUSED_EXPERT_PATTERNS, category=RuntimeWarning)
+        yield
+
+
 class PeftMethod(Method):
     """A method whose weight sets are two named adapters ("causal", "bidir") of one PeftModel."""
 
@@ -124,14 +143,14 @@ class PeftMethod(Method):
                              "Bitune adds its own adapters")
         peft_config = cls.peft_config(config, model)
         try:
-            with warnings.catch_warnings():  # PEFT reads a property transformers 5 deprecated
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            with peft_quiet():
                 sets.model = get_peft_model(model, peft_config, adapter_name="causal")
         except (ValueError, KeyError) as e:
             raise ValueError(f"PEFT cannot add {config.method} adapters to this model "
                              f"({type(model).__name__}): {e}") from e
         if "bidir" in config.weight_sets:
-            sets.model.add_adapter("bidir", peft_config)
+            with peft_quiet():
+                sets.model.add_adapter("bidir", peft_config)
         sets.model.set_adapter("causal")  # the causal weights are what a plain forward runs
         sets.model.set_requires_grad(list(config.weight_sets), True)  # set_adapter froze the other adapter
         sets.tuner_layers = [m for m in sets.model.modules() if isinstance(m, BaseTunerLayer)]
