@@ -135,9 +135,11 @@ def test_path_functions_run_on_the_parts_alone():
     from bitune.masks import position_ids
     from bitune.mixer import Mixer
     from bitune.passes import read_pass, read_passes_batched
+    from bitune.support import check_model
 
     config = BituneConfig()
     base = tiny_model("gemma3")  # sliding-window layers too
+    layers = check_model(base)
     weights, text = WeightSets(base, config), base.config.get_text_config()
     mixer = Mixer(text.num_hidden_layers, config.theta_init)
     g = torch.Generator().manual_seed(3)
@@ -149,13 +151,13 @@ def test_path_functions_run_on_the_parts_alone():
     with torch.no_grad():
         fused = fused_logits(weights, mixer, config.passes, text, prompt_ids, prompt_mask, answer_ids, answer_mask)
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]
-        one_by_one = [read_pass(weights, text, ids, mask, w, k) for w, k in config.passes]
-        batched = read_passes_batched(weights, text, ids, mask, config.passes)
+        one_by_one = [read_pass(weights, text, layers, ids, mask, w, k) for w, k in config.passes]
+        batched = read_passes_batched(weights, text, layers, ids, mask, config.passes)
         for alone, together in zip(one_by_one, batched):
             for layer in range(text.num_hidden_layers):
                 for a, b in zip(kv.layer_kv(alone, layer), kv.layer_kv(together, layer)):
                     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-        kv.mix_into(one_by_one[0], one_by_one[1], mixer)
+        kv.mix_into(one_by_one[0], one_by_one[1], mixer, layers)
         steps = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], dim=1)  # (B, A)
         full = torch.cat([mask, torch.ones_like(mask[:, :1]), answer_mask[:, :-1]], dim=1)
         out = weights.call("causal", input_ids=steps, attention_mask=full, cache=one_by_one[0], use_cache=True,

@@ -35,6 +35,8 @@ VARIANTS: dict[str, str] = {
     "only_causal": "two causal prompt passes with separate weights, mixed",
     "shared_weights": "one weight set for both prompt passes (causal + bidirectional), mixed",
     "anti_causal": "second prompt pass with the transposed causal mask, separate weights, mixed",
+    "causal_state": "as bitune, but recurrent and conv layers keep the causal pass's state (a_s = a_c = 0): "
+                    "only attention keys and values are mixed (hybrid models)",
     "lora": "baseline: ordinary single-pass causal fine-tuning on prompt + answer",
     "pretrained": "baseline: the base model, nothing trained",
 }
@@ -156,6 +158,7 @@ class BituneConfig:
         """The prompt passes as ``(weights, mask)`` pairs; weights are ``"causal"`` or ``"bidir"``."""
         return {
             "bitune": (("causal", "causal"), ("bidir", "bidirectional")),
+            "causal_state": (("causal", "causal"), ("bidir", "bidirectional")),
             "naive_bidir": (("causal", "bidirectional"),),
             "no_mixing": (("bidir", "bidirectional"),),
             "only_causal": (("causal", "causal"), ("bidir", "causal")),
@@ -169,6 +172,11 @@ class BituneConfig:
     def mixes(self) -> bool:
         """Whether two prompt passes are mixed with learnable coefficients."""
         return len(self.passes) == 2
+
+    @property
+    def mixes_states(self) -> bool:
+        """Whether recurrent and conv layers' states are mixed too (every mixing variant but ``causal_state``)."""
+        return self.mixes and self.variant != "causal_state"
 
     @property
     def weight_sets(self) -> tuple[str, ...]:

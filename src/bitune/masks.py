@@ -15,6 +15,7 @@ import torch
 
 from .attention import check_implementation, mask_format
 from .config import PASS_MASKS
+from .kinds import Layers
 
 
 def position_ids(attention_mask: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +65,7 @@ def allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torc
 
 def pass_mask(
     attention_mask: torch.Tensor, kind: str, dtype: torch.dtype, config, attn_implementation: str = "sdpa",
-    past_mask: torch.Tensor | None = None,
+    past_mask: torch.Tensor | None = None, layers: Layers | None = None,
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """The mask to pass as ``attention_mask`` for one prompt pass.
 
@@ -76,9 +77,11 @@ def pass_mask(
         attn_implementation: ``"eager"`` gets an additive float mask, ``"sdpa"`` a boolean one (True = attend).
         past_mask: (B, T_past) mask of tokens already in the cache, which every new token may see; None if the
             cache is empty.
+        layers: the model's layer kinds (:mod:`bitune.kinds`); a model with layers of several mask forms gets a
+            per-layer-type dict (recurrent and conv layers: the (B, T) padding mask). None: attention layers only.
 
     Returns:
-        (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window layers.
+        (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window or recurrent layers.
     """
     check_implementation(attn_implementation)
 
@@ -89,11 +92,24 @@ def pass_mask(
             ok = torch.cat([past, ok], dim=-1)  # (B, 1, T, T_past + T)
         return mask_format(ok, attn_implementation, dtype)
 
-    return per_layer_type(build, config)
+    return per_layer_type(build, config, layers, attention_mask)
 
 
-def per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
-    """``build(window)`` once, or once per layer type for models with sliding-window layers."""
+def per_layer_type(build, config, layers: Layers | None = None,
+                   padding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``build(window)`` once, or once per layer type for models with sliding-window layers; for a model whose
+    layers take other forms of mask (:attr:`bitune.kinds.LayerKind.mask`), ``{layer type: its form}``, the
+    padding form being ``padding`` ((B, T) 1 for real tokens) and ``"none"`` None."""
+    if layers is not None and layers.types and any(k.mask != "attention" or k.masks for k in layers.kinds):
+        def form(mask: str, window: str | None):
+            if mask == "attention":
+                return build(getattr(config, window, None) if window else None)
+            return padding if mask == "padding" else None
+
+        out = {t: form(k.mask, k.window) for t, k in layers.by_type.items()}
+        for k in layers.kinds:
+            out.update({key: form(mask, None) for key, mask in k.masks})
+        return out
     layer_types = set(getattr(config, "layer_types", None) or ())
     if "sliding_attention" in layer_types:
         window = getattr(config, "sliding_window", None)
@@ -106,5 +122,5 @@ def per_layer_type(build, config) -> torch.Tensor | dict[str, torch.Tensor]:
 def concat_masks(masks: list) -> torch.Tensor | dict[str, torch.Tensor]:
     """Stack the masks of several row groups along the batch dimension (for one batched forward)."""
     if isinstance(masks[0], dict):
-        return {key: torch.cat([m[key] for m in masks]) for key in masks[0]}
+        return {key: None if masks[0][key] is None else torch.cat([m[key] for m in masks]) for key in masks[0]}
     return torch.cat(masks)

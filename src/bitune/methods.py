@@ -233,12 +233,25 @@ STRATEGIES: dict[str, Method] = {"lora": Lora(), "dora": Dora(), "ia3": IA3(), "
 
 def lora_config(config: BituneConfig, model: nn.Module, dora: bool) -> LoraConfig:
     """PEFT's ``LoraConfig`` for ``config``'s rank, scaling, dropout and target modules (DoRA with ``dora``)."""
-    exclude = tuple_linears(model) if config.target_modules == "all-linear" else []
+    exclude = tuple_linears(model) + mamba_excluded(model) if config.target_modules == "all-linear" else []
     return LoraConfig(
         r=config.rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
         target_modules=config.target_modules, use_dora=dora, bias="none",
         **({"exclude_modules": exclude} if exclude else {}),
     )
+
+
+MAMBA_EXCLUDED = ("out_proj", "conv1d")
+"""Module names PEFT 0.21 refuses to adapt with LoRA in the model types of :data:`MAMBA_TYPES`
+(``peft.tuners.tuners_utils._check_lora_target_modules_mamba``): ``all-linear`` leaves them out there."""
+MAMBA_TYPES = ("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h")
+
+
+def mamba_excluded(model: nn.Module) -> list[str]:
+    """The modules of a Mamba-based ``model`` that PEFT's LoRA refuses (:data:`MAMBA_EXCLUDED`); none elsewhere."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in MAMBA_TYPES:
+        return []
+    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in MAMBA_EXCLUDED]
 
 
 def tuple_linears(model: nn.Module) -> list[str]:

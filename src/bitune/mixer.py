@@ -21,9 +21,13 @@ class Mixer(nn.Module):
         num_layers: number of transformer blocks L.
         theta_init: the scale of theta in a = |theta| / (theta_init + |theta|) (default 0.01).
         init_share: every a at the start, in (0, 1) (default 0.5: theta = theta_init, the paper's start).
+        states: further coefficients, for the per-row states of recurrent layers (:mod:`bitune.kinds`): ``"s"``
+            mixes a recurrent state, ``"c"`` a conv state, each with its own theta per layer (``theta_s``,
+            ``theta_c``), starting at the same share as K/V. Default none (attention-only models).
     """
 
-    def __init__(self, num_layers: int, theta_init: float = 0.01, init_share: float = 0.5):
+    def __init__(self, num_layers: int, theta_init: float = 0.01, init_share: float = 0.5,
+                 states: tuple[str, ...] = ()):
         super().__init__()
         if not 0.0 < init_share < 1.0:
             raise ValueError(f"init_share must be in (0, 1), got {init_share!r}")
@@ -31,6 +35,9 @@ class Mixer(nn.Module):
         start = theta_init if init_share == 0.5 else theta_init * init_share / (1.0 - init_share)
         self.theta_k = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
         self.theta_v = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
+        for name in states:  # one entry per layer; a layer without such a state leaves its entry unused
+            self.register_parameter(f"theta_{name}", nn.Parameter(torch.full((num_layers,), start,
+                                                                             dtype=torch.float32)))  # (L,)
 
     def ratio(self, theta: torch.Tensor) -> torch.Tensor:
         """a = |theta| / (theta_init + |theta|), float32."""
@@ -38,8 +45,19 @@ class Mixer(nn.Module):
         return theta / (self.theta_init + theta)
 
     def ratios(self) -> dict[str, torch.Tensor]:
-        """Current a_k and a_v per layer, each (L,) float32, detached."""
-        return {"k": self.ratio(self.theta_k).detach(), "v": self.ratio(self.theta_v).detach()}
+        """Current a_k and a_v (and a_s, a_c where the model has such states) per layer, each (L,) float32,
+        detached."""
+        return {name[len("theta_"):]: self.ratio(p).detach() for name, p in self.named_parameters()}
+
+    def has(self, coefficient: str) -> bool:
+        """Whether this mixer has the coefficient ``coefficient`` (``k``, ``v``, ``s``, ``c``)."""
+        return hasattr(self, f"theta_{coefficient}")
+
+    def mix(self, layer: int, coefficient: str, causal: torch.Tensor, bidir: torch.Tensor) -> torch.Tensor:
+        """``causal (1 - a) + bidir a`` with the coefficient's a of ``layer``, in float32, returned in the input
+        dtype; any shapes (keys (B, nh, T, hs), or a per-row state)."""
+        a = self.ratio(getattr(self, f"theta_{coefficient}")[layer])  # () float32
+        return (causal.float() * (1 - a) + bidir.float() * a).to(causal.dtype)
 
     def forward(self, layer: int, k_causal, k_bidir, v_causal, v_bidir) -> tuple[torch.Tensor, torch.Tensor]:
         """Mix one layer's features of the causal and the bidirectional pass; all tensors (B, n_kv_heads, T,

@@ -64,16 +64,23 @@ class BituneModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
-        check_model(model)
+        self.layer_kinds = check_model(model)
+        """The kind of every decoder layer (:mod:`bitune.kinds`): what it keeps, how its states mix, its paths."""
         self.config = config
         self.prompt_passes = prompt_passes
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
-        self.mixer = Mixer(self.num_layers, config.theta_init, config.init_share) if config.mixes else None
+        states = tuple(c for c in ("s", "c") if c in self.layer_kinds.mixes and config.mixes_states)
+        self.mixer = (Mixer(self.num_layers, config.theta_init, config.init_share, states) if config.mixes
+                      else None)
         self.support = Support()
         """Which fast paths compute the plain path's numbers on this model (:mod:`bitune.support`)."""
+        off = self.layer_kinds.allows("fused")  # a kind of layer that rules the fused forward out (no warning)
+        self.support.fused = off is None
         probe.check_wrapped(self)
+        if off is not None:
+            self.support.note = "; ".join(filter(None, [self.support.note, f"the fused forward is off: {off}"]))
 
     @classmethod
     def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
@@ -210,8 +217,9 @@ class BituneModel(nn.Module):
         """The unmixed caches of this variant's prompt passes over ``ids`` (tokens the passes read)."""
         recompute.refuse_transformers_checkpointing(self.weights.models(), self.training)
         if self.prefill_path(ids.numel()) == "batched":
-            return read_passes_batched(self.weights, self.text_config, ids, mask, self.config.passes, past)
-        return [read_pass(self.weights, self.text_config, ids, mask, weights, kind, past)
+            return read_passes_batched(self.weights, self.text_config, self.layer_kinds, ids, mask, self.config.passes,
+                                       past)
+        return [read_pass(self.weights, self.text_config, self.layer_kinds, ids, mask, weights, kind, past)
                 for weights, kind in self.config.passes]
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, past: Prefill | None = None) -> Prefill:
@@ -239,10 +247,11 @@ class BituneModel(nn.Module):
         check_ids(self.weights.base, prompt_ids)
         ids, mask = prompt_ids[:, :-1], prompt_mask[:, :-1]  # (B, P-1)
         if past is not None:
-            ids, mask = continue_conversation(past, ids, mask, self.text_config)  # (B, P)
+            ids, mask = continue_conversation(past, ids, mask, self.text_config, self.layer_kinds)  # (B, P)
         caches = self.prompt_caches(ids, mask, past)
         if self.mixer is not None:
-            kv.mix_into(caches[0], caches[1], self.mixer, start=past.ids.shape[1] if past is not None else 0)
+            kv.mix_into(caches[0], caches[1], self.mixer, self.layer_kinds,
+                        start=past.ids.shape[1] if past is not None else 0)
         if past is not None:
             ids, mask = torch.cat([past.ids, ids], dim=1), torch.cat([past.mask, mask], dim=1)
         return Prefill(caches[0], ids, mask, prompt_ids[:, -1:])

@@ -16,6 +16,7 @@ import torch
 
 from . import cache as kv
 from .adapters import WeightSets
+from .kinds import Layers
 from .masks import concat_masks, pass_mask, position_ids
 
 
@@ -82,19 +83,21 @@ class Prefill:
         return Prefill(self.cache, self.ids[:, n:], self.mask[:, n:], self.last_token)
 
 
-def read_pass(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor, weight_set: str, kind: str,
-              history: Prefill | None = None):
-    """One prompt pass; returns its KV cache (per layer (B, n_kv, T_history + T, hs)).
+def read_pass(weights: WeightSets, text_config, layers: Layers, ids: torch.Tensor, mask: torch.Tensor,
+              weight_set: str, kind: str, history: Prefill | None = None):
+    """One prompt pass; returns its cache (per attention layer (B, n_kv, T_history + T, hs) keys and values; per
+    recurrent layer its final states).
 
     Args:
         weights: the weight sets (``BituneModel.weights``).
         text_config: the model's text config (layers, sliding windows).
+        layers: the kind of every layer (:mod:`bitune.kinds`): their masks and where the pass may stop.
         ids, mask: (B, T) left-padded tokens the pass reads.
         weight_set: ``"causal"`` or ``"bidir"``.
         kind: the mask, one of ``bitune.config.PASS_MASKS``.
         history: a conversation so far; a copy of its cache is extended (the original is untouched).
     """
-    cache, attn, positions = _start(weights, text_config, ids, mask, [kind], history)
+    cache, attn, positions = _start(weights, text_config, layers, ids, mask, [kind], history)
     try:
         weights.call(weight_set, input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache,
                            use_cache=True, logits_to_keep=1)
@@ -104,7 +107,7 @@ def read_pass(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.T
     return cache
 
 
-def read_passes_batched(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor,
+def read_passes_batched(weights: WeightSets, text_config, layers: Layers, ids: torch.Tensor, mask: torch.Tensor,
                         passes: tuple[tuple[str, str], ...], history: Prefill | None = None) -> list:
     """n prompt passes as one forward over n*B rows; returns one KV cache per pass, as :func:`read_pass` would.
 
@@ -114,7 +117,8 @@ def read_passes_batched(weights: WeightSets, text_config, ids: torch.Tensor, mas
     """
     B = ids.shape[0]
     rows_ids, rows_mask = ids.repeat(len(passes), 1), mask.repeat(len(passes), 1)  # (nB, T): block i is pass i
-    cache, attn, positions = _start(weights, text_config, rows_ids, rows_mask, [k for _, k in passes], history)
+    cache, attn, positions = _start(weights, text_config, layers, rows_ids, rows_mask, [k for _, k in passes],
+                                    history)
     try:
         weights.call_rows([w for w, _ in passes for _ in range(B)], input_ids=rows_ids, attention_mask=attn,
                                 position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
@@ -124,8 +128,8 @@ def read_passes_batched(weights: WeightSets, text_config, ids: torch.Tensor, mas
     return kv.split_rows(cache, [B] * len(passes))
 
 
-def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
-                          text_config) -> tuple[torch.Tensor, torch.Tensor]:
+def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor, text_config,
+                          layers: Layers) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens prompt passes read to continue ``past`` with a new prompt (without its last token).
 
     The token that ended the previous answer is not in ``past.cache`` yet (``past.last_token``): it comes first.
@@ -139,6 +143,9 @@ def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
     """
     if past.ids.shape[0] != ids.shape[0]:
         raise ValueError(f"past holds {past.ids.shape[0]} rows, the prompt batch {ids.shape[0]}")
+    if (why := layers.allows("extend")) is not None:
+        raise ValueError(f"this model's conversation cannot be extended by a new prompt's passes ({why}): re-read "
+                         "it whole (chat mode 'reread')")
     window = getattr(text_config, "sliding_window", None)
     if window and past.ids.shape[1] + ids.shape[1] + 1 >= window:
         raise ValueError(f"this model has sliding-window layers ({window} tokens); a history this long "
@@ -148,20 +155,20 @@ def continue_conversation(past: Prefill, ids: torch.Tensor, mask: torch.Tensor,
     return ids, mask
 
 
-def _start(weights: WeightSets, text_config, ids: torch.Tensor, mask: torch.Tensor, kinds: list[str],
-           history: Prefill | None):
+def _start(weights: WeightSets, text_config, layers: Layers, ids: torch.Tensor, mask: torch.Tensor,
+           kinds: list[str], history: Prefill | None):
     """The cache a forward over ``ids`` (n groups of rows, group g with mask ``kinds[g]``) extends, its 4D mask
     and its position ids."""
     rows = torch.arange(ids.shape[0], device=ids.device) % (history.mask.shape[0] if history is not None else 1)
     cache = kv.extendable_copy(history.cache if history is not None else None, text_config, rows,
-                               stop_after_layer=text_config.num_hidden_layers - 1)
+                               stop_after=layers.stop())
     past_mask = history.mask[rows] if history is not None else None  # (nB, T_history)
     base = weights.base
     dtype, impl = next(base.parameters()).dtype, base.config._attn_implementation
     group = ids.shape[0] // len(kinds)
     attn = concat_masks([
         pass_mask(mask[g * group:(g + 1) * group], kind, dtype, text_config, impl,
-                  past_mask[g * group:(g + 1) * group] if past_mask is not None else None)
+                  past_mask[g * group:(g + 1) * group] if past_mask is not None else None, layers)
         for g, kind in enumerate(kinds)])
     offset = past_mask.sum(1) if past_mask is not None else None
     return cache, attn, position_ids(mask, offset)

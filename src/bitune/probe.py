@@ -38,10 +38,10 @@ def check_wrapped(model) -> None:
     mask = torch.ones(1, 2, dtype=torch.long, device=device)
     try:
         with torch.enable_grad():
-            cache = read_pass(model.weights, model.text_config, ids, mask, weights, "bidirectional")
-            k, v = kv.layer_kv(cache, model.num_layers - 1)
-            if weights == "bidir":
-                model.weights.freeze_unreached("bidir", k.sum() + v.sum())
+            cache = read_pass(model.weights, model.text_config, model.layer_kinds, ids, mask, weights, "bidirectional")
+            if weights == "bidir":  # what reaches any cached tensor (the last attention layer's K/V reach all)
+                held = [t for i in range(model.num_layers) for t in kv.layer_tensors(cache, i)]
+                model.weights.freeze_unreached("bidir", sum(t.float().sum() for t in held))
         if model.config.single_pass:
             return  # no prompt passes: a plain causal forward
         with evaluating(model):
@@ -62,8 +62,9 @@ def _check_passes(model, device) -> None:
 
     def first_keys(kind: str, ids: torch.Tensor) -> list[torch.Tensor]:
         weights = "bidir" if kind == "bidirectional" and "bidir" in sets else "causal"
-        cache = read_pass(model.weights, model.text_config, ids, torch.ones_like(ids), weights, kind)
-        return [kv.layer_kv(cache, i)[0][..., 0, :] for i in range(model.num_layers)]
+        cache = read_pass(model.weights, model.text_config, model.layer_kinds, ids, torch.ones_like(ids), weights, kind)
+        return [kv.layer_kv(cache, i)[0][..., 0, :] for i, k in enumerate(model.layer_kinds.kinds)
+                if "keys" in k.sequence]  # attention layers (a recurrent layer is causal by construction)
 
     vocab = model.weights.base.get_input_embeddings().num_embeddings
     ids = torch.randint(min(3, vocab - 1), vocab, (1, 4), generator=torch.Generator().manual_seed(0)).to(device)
@@ -91,7 +92,7 @@ def _check_fast_paths(model, device) -> None:
             if problem:
                 model.weights.route_ok, model.support.routed = False, False
                 model.support.note = f"the prompt passes batched as one forward {problem}"
-        if model.weights.can_route(names + ["causal"]):
+        if model.support.fused and model.weights.can_route(names + ["causal"]):
             problem = _disagrees(logits, "fused", plain)
             if problem:
                 model.support.fused = False

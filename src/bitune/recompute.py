@@ -106,8 +106,12 @@ def _checkpointed(inner: Callable[..., Any]) -> Callable[..., Any]:
             return inner(*args, **kwargs)
         setup = _ACTIVE.get()  # what the recomputation must re-enter
         replays = {k: kv.Replay(v) for k, v in kwargs.items() if kv.is_cache(v)}
+        runs = [0]
 
         def run(*a, **kw):
+            for replay in replays.values():  # a second run is the recomputation: it must write nothing
+                replay.replaying = runs[0] > 0
+            runs[0] += 1
             try:
                 return inner(*a, **{**kw, **replays})
             except kv.PassComplete:  # a prompt pass ends in this layer: a normal end for the checkpoint

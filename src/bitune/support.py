@@ -26,6 +26,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .errors import BituneError
+from .kinds import KINDS, Layers, layer_kinds
 
 
 class UnsupportedModelError(BituneError):
@@ -39,17 +40,10 @@ KNOWN_CAUSES: dict[str, str] = {
     "llama4_text": "chunked attention layers (local chunks of 8192 tokens by default)",
     "gemma3n_text": "its last layers reuse earlier layers' keys and values (KV sharing)",
     **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
-    **dict.fromkeys(("jamba", "bamba", "zamba", "zamba2", "falcon_h1", "granitemoehybrid", "nemotron_h", "lfm2",
-                     "lfm2_moe", "qwen3_next", "olmo_hybrid", "recurrent_gemma", "kimi_linear", "minimax",
-                     "qwen3_5_text", "qwen3_5_moe_text", "bailing_hybrid", "lfm3"),
-                    "a hybrid of attention and recurrent or linear-attention layers (Bitune's mixing is defined for "
-                    "attention keys and values; a rule for the recurrent layers' states is not)"),
+    **dict.fromkeys(("recurrent_gemma", "minimax"), "a hybrid whose cache is its own class, not transformers' "
+                    "per-layer cache"),
 }
 """model_type -> why such models fail a check (named in the refusal; the checks themselves decide)."""
-
-
-MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""The layer types (``config.layer_types``) whose masks :mod:`bitune.masks` builds for every kind of pass."""
 
 
 @dataclass
@@ -107,9 +101,13 @@ def _probe_ids(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(device)
 
 
-def check_model(model: nn.Module) -> None:
+def check_model(model: nn.Module) -> Layers | None:
     """Refuse ``model`` (before adapters are added) if it is not a decoder-only transformers causal LM whose every
-    decoder layer keeps attention keys and values in a transformers cache, or if it builds ALiBi biases.
+    decoder layer is of a kind Bitune implements (:mod:`bitune.kinds`: what it keeps in a transformers cache and
+    its layer type decide), or if it builds ALiBi biases.
+
+    Returns:
+        The kind of every decoder layer (on the meta device, where nothing can run: attention layers).
 
     Raises:
         UnsupportedModelError: one line naming the model and the reason.
@@ -127,8 +125,8 @@ def check_model(model: nn.Module) -> None:
              or getattr(text, "model_type", None) == "bloom")
     if alibi:
         raise refuse(model, "ALiBi attention biases")
-    if next(model.parameters()).device.type == "meta":
-        return  # shapes only (memory accounting): nothing can run
+    if next(model.parameters()).device.type == "meta":  # shapes only (memory accounting): nothing can run
+        return Layers([KINDS["full_attention"]] * layers)
     cache = DynamicCache(config=text)
     ids = _probe_ids(model, 3)
     with evaluating(model):
@@ -137,16 +135,10 @@ def check_model(model: nn.Module) -> None:
         except Exception as e:  # noqa: BLE001 - any failure here means the model cannot be read into a cache
             raise refuse(model, f"a forward that fills a transformers KV cache fails "
                                 f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from e
-    held = list(getattr(cache, "layers", []))
-    for i in range(layers):
-        keys = getattr(held[i], "keys", None) if i < len(held) else None
-        if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[-2] != ids.shape[1]:
-            kind = type(held[i]).__name__ if i < len(held) else "nothing"
-            raise refuse(model, f"decoder layer {i} keeps no attention keys and values in the cache ({kind})")
-    unknown = sorted(set(getattr(text, "layer_types", None) or ()) - set(MASKED_LAYER_TYPES))
-    if unknown:
-        raise refuse(model, f"layer types {unknown} whose attention pattern the prompt passes' masks do not implement "
-                            f"(they implement {list(MASKED_LAYER_TYPES)})")
+    kinds, why = layer_kinds(cache, text)
+    if kinds is None:
+        raise refuse(model, why)
+    return kinds
 
 
 def passes_obey_masks(first_keys, ids: torch.Tensor, vocab: int) -> str | None:
@@ -179,4 +171,4 @@ def agree(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol * (b.float().abs().max().item() + 1)
 
 
-__all__ = ["KNOWN_CAUSES", "MASKED_LAYER_TYPES", "Support", "UnsupportedModelError", "agree", "check_model", "evaluating", "passes_obey_masks", "refuse"]
+__all__ = ["KNOWN_CAUSES", "Support", "UnsupportedModelError", "agree", "check_model", "evaluating", "passes_obey_masks", "refuse"]

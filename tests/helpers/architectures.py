@@ -60,11 +60,18 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             first_k_dense_replace=1, moe_layer_freq=1, decoder_sparse_step=1,
             # multi-head latent attention and sliding windows
             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-            qk_head_dim=16, sliding_window=64, attention_window_size=64, rotary_dim=8)
+            qk_head_dim=16, sliding_window=64, attention_window_size=64, rotary_dim=8,
+            # linear-attention and SSM layers: few and small heads and states
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, ssm_state_size=16,
+            mamba_head_dim=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
 """Fields every tiny config takes when its class knows them (names differ between architectures)."""
 
+STATE_TYPES = {"linear_attention", "conv", "mamba", "hybrid", "mlp", "moe", "attention", "m", "*", "-", "E"}
+"""Layer types of hybrids, whose tiny pattern keeps every kind twice."""
+
 FIELDS: dict[str, dict] = {
-    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its checkpoints mix convolution and attention layers
+    "lfm2": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4),  # convolution and attention
     "zaya": dict(num_experts_per_tok=1),
     "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                  ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
@@ -156,7 +163,8 @@ def tiny_config(model_type: str):
     types = default.to_dict().get("layer_types")
     if isinstance(types, (list, tuple)) and types and settable("layer_types"):
         kinds = list(dict.fromkeys(types))
-        pattern = (kinds * 2)[:max(2, len(kinds))]
+        # hybrids: every kind twice, so a recurrent layer reads an attention layer's bidirectional output
+        pattern = kinds * 2 if set(kinds) & STATE_TYPES else (kinds * 2)[:max(2, len(kinds))]
         fields["layer_types"] = pattern
         for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
             if name in fields:
@@ -165,7 +173,7 @@ def tiny_config(model_type: str):
         value = default.to_dict().get(name)
         if isinstance(value, (list, tuple)) and value and settable(name):
             kinds = list(dict.fromkeys(value))
-            fields[name] = (kinds * 2)[:max(2, len(kinds))]
+            fields[name] = kinds * 2 if set(kinds) & STATE_TYPES else (kinds * 2)[:max(2, len(kinds))]
     fields.update(FIELDS.get(model_type, {}))
     fields = {k: v for k, v in fields.items() if v is not None or k not in TINY}  # None: the class's default
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
