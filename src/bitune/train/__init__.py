@@ -1,6 +1,7 @@
-"""Training: typed settings (:mod:`.settings`), the training loop (:mod:`.trainer`), its checkpoints
-(:mod:`.checkpoints`) and log (:mod:`.logger`), run folders (:mod:`.run_folder`) and the recipe (:mod:`.recipe`);
-``bitune train`` is :mod:`bitune.commands.train`."""
+"""Training: typed settings (:mod:`.settings`), the training loop (:mod:`.trainer`), its gradient clipping
+(:mod:`.gradients`), validation loss (:mod:`.evaluation`), checkpoints (:mod:`.checkpoints`) and log
+(:mod:`.logger`), run folders (:mod:`.run_folder`) and the recipe (:mod:`.recipe`); ``bitune train`` is
+:mod:`bitune.commands.train`."""
 
 from .settings import TrainSettings, load_settings
 

@@ -25,7 +25,7 @@ from ..files import replace_dir, write_text_atomic
 from ..model import BituneModel
 from ..modelcard import Training
 from . import sharding
-from .run_folder import CHECKPOINT_PREFIX, STATE_FILE, rng_file, rotate
+from .run_folder import CHECKPOINT_PREFIX, STATE_FILE, checkpoints, rng_file, rotate
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -148,5 +148,24 @@ def verify_checkpoint(path: Path, model: BituneModel | None = None) -> None:
             raise BituneError(str(e)) from e
 
 
+def non_finite(trainable: dict[str, torch.Tensor], accelerator, sharded: bool = False) -> list[str]:
+    """The keys of trained tensors holding inf or NaN, which are never saved. Sharded (FSDP): each process checks
+    its shards, and every process gets the same keys."""
+    bad = [k for k, p in trainable.items() if not bool(torch.isfinite(sharding.local(p.detach())).all())]
+    if sharded:
+        flags = accelerator.reduce(torch.tensor([k in bad for k in trainable], device=accelerator.device,
+                                                dtype=torch.int32), reduction="sum")
+        bad = [k for k, f in zip(trainable, flags.tolist()) if f]
+    return bad
+
+
+def kept_after_divergence(root: Path) -> str:
+    """What a run in ``root`` that stopped because it diverged kept, and what to change."""
+    found = checkpoints(root)
+    kept = f"the last good checkpoint {found[-1]} is kept" if found else "no checkpoint had been written"
+    return (f"stopped without saving: {kept} and no final/ is written. Lower lr, raise warmup_ratio or set "
+            "max_grad_norm")
+
+
 __all__ = ["save_checkpoint", "load_checkpoint", "load_rng_state", "verify_checkpoint", "rng_state",
-           "set_rng_state"]
+           "set_rng_state", "non_finite", "kept_after_divergence"]

@@ -1,17 +1,78 @@
-"""The training log: one JSON record per line in ``log.jsonl``, the same numbers in TensorBoard.
+"""The training log: one JSON record per line in ``log.jsonl``, the same numbers in TensorBoard, and what a
+record sums up since the previous one (:class:`Window`).
 
 A record is ``{"step": N, <numbers>, "batches": [...], "a_k": [...], "a_v": [...], "elapsed_s": s}``: the
-digests of the steps' batches since the previous record (:func:`bitune.train.trainer.batch_digest`) and the
-per-layer mixing ratios of a Bitune model ride along with every record. Only the main process of a multi-process job makes a logger.
+digests of the steps' batches since the previous record (:func:`batch_digest`) and the per-layer mixing ratios
+of a Bitune model ride along with every record. Only the main process of a multi-process job makes a logger.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .run_folder import LOG_FILE, TB_DIR, append_jsonl
+
+
+class Window:
+    """What the next record sums up, gathered step by step since the previous record.
+
+    Attributes:
+        loss: this process's step losses summed (a 0-d tensor on the training device; reduced over the
+            processes when a record is written).
+        steps: the optimizer steps summed in ``loss``.
+        positions: ``(real, computed)`` positions of the training batches, the prompt counted once per prompt
+            pass (``padding_share``).
+        batches: the digests of the steps' batches (:func:`batch_digest`), one per step.
+    """
+
+    def __init__(self):
+        self.loss, self.steps = torch.zeros(()), 0
+        self.positions = (0, 0)
+        self.batches: list[str] = []
+
+    def restart(self, device: torch.device | None = None) -> None:
+        """Sum the step losses anew (on ``device``; default: where they were summed so far)."""
+        self.loss = torch.zeros((), device=device if device is not None else self.loss.device)
+        self.steps = 0
+
+    def count_positions(self, inputs: dict[str, torch.Tensor], prompt_passes: int) -> None:
+        """Add a batch's real and computed positions (the prompt counted once per prompt pass)."""
+        w = max(1, prompt_passes)
+        pm, am = inputs["prompt_mask"], inputs["answer_mask"]  # (B, P), (B, A)
+        real = w * int(pm.sum()) + int(am.sum())
+        computed = w * pm.numel() + am.numel()
+        self.positions = (self.positions[0] + real, self.positions[1] + computed)
+
+    def padding_share(self) -> dict[str, float]:
+        """``{"padding_share": ...}``: the share of computed positions that were padding (nothing when no batch
+        was counted); the count starts anew."""
+        real, computed = self.positions
+        self.positions = (0, 0)
+        return {"padding_share": round(1.0 - real / computed, 4)} if computed else {}
+
+    def take_batches(self) -> list[str]:
+        """The digests gathered so far; the list starts anew."""
+        batches, self.batches = self.batches, []
+        return batches
+
+
+def batch_digest(group: list[dict[str, torch.Tensor]]) -> str:
+    """A 12-hex-digit digest of one optimizer step's examples (this process's micro-batches): each row's real
+    prompt and answer tokens, in order, padding left out. Two runs took the same batches at a step exactly when
+    their digests agree (``log.jsonl``'s ``batches``: one digest per step since the previous record)."""
+    h = hashlib.blake2b(digest_size=6)
+    for inputs in group:
+        rows = zip(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
+        for pi, pm, ai, am in rows:
+            for ids, mask in ((pi, pm), (ai, am)):
+                h.update(ids[mask.bool()].to(torch.int64).cpu().numpy().tobytes())
+                h.update(b"|")
+    return h.hexdigest()
 
 
 class JsonlLogger:
@@ -66,4 +127,4 @@ def _strings(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-__all__ = ["JsonlLogger"]
+__all__ = ["JsonlLogger", "Window", "batch_digest"]

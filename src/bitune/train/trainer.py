@@ -4,10 +4,10 @@ Built from public pieces: accelerate's ``Accelerator`` (DDP over gloo on CPU / n
 sharded data loaders), a ``DataLoader`` over :mod:`bitune.data.sampling`'s seed-determined orders, AdamW over
 exactly ``model.trainable_parameters()`` (no decay on the mixing thetas) and transformers' linear warmup/decay
 (the parameter groups, the order and the loss check shared with TRL's trainer: :mod:`.parts`).
-A step accumulates ``grad_accum`` micro-batches, clips as ``clip`` says, steps, then logs, evaluates and writes
-an atomic checkpoint (:mod:`.checkpoints`) when due. ``--resume`` restores weights, optimizer, scheduler and RNG
-and skips the batches already consumed in the current epoch, so a resumed run ends bit-exact on the weights of
-an uninterrupted one (CPU).
+A step accumulates ``grad_accum`` micro-batches, clips as ``clip`` says (:mod:`.gradients`), steps, then logs
+(:mod:`.logger`), evaluates (:mod:`.evaluation`) and writes an atomic checkpoint (:mod:`.checkpoints`) when due.
+``--resume`` restores weights, optimizer, scheduler and RNG and skips the batches already consumed in the current
+epoch, so a resumed run ends bit-exact on the weights of an uninterrupted one (CPU).
 
 The loss is the example mean of each batch (:class:`bitune.outputs.BituneOutput`'s ``loss``).
 With ``N`` processes (``torchrun`` / ``accelerate launch`` / ``bitune train --num-processes N``) the model runs
@@ -21,7 +21,6 @@ main process only.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import math
 import time
@@ -42,8 +41,17 @@ from ..model import BituneModel
 from ..modelcard import Training
 from ..processes import check_fsdp_processes
 from . import parts, sharding
-from .checkpoints import load_checkpoint, load_rng_state, save_checkpoint, verify_checkpoint
-from .logger import JsonlLogger
+from .checkpoints import (
+    kept_after_divergence,
+    load_checkpoint,
+    load_rng_state,
+    non_finite,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from .evaluation import eval_loss
+from .gradients import clip_gradients
+from .logger import JsonlLogger, Window, batch_digest
 from .run_folder import (
     FINAL_DIR,
     LOG_FILE,
@@ -51,7 +59,6 @@ from .run_folder import (
     append_jsonl,
     check_world_size,
     checkpoint_step,
-    checkpoints,
     start_run,
     truncate_log,
 )
@@ -123,9 +130,7 @@ class BituneTrainer:
         self.step_hooks: list[StepHook] = []
         self.logger = JsonlLogger(Path(settings.output_dir), tensorboard) if self.is_main else None
         self._wrapped = None  # the model as trained: DDP-wrapped with several processes, or sharded in place
-        self._positions = (0, 0)  # (real, computed) positions of the training batches since the last log
-        self._window, self._window_steps = torch.zeros(()), 0  # summed step losses since the last log, steps
-        self._batches: list[str] = []  # digests of the steps' batches since the last log
+        self.window = Window()  # what the next log record sums up
         self._bar = None
 
     def add_step_hook(self, hook: StepHook) -> None:
@@ -190,55 +195,17 @@ class BituneTrainer:
         loss = out.loss  # the example mean: out.example_loss (B,) averaged
         if model.training:
             parts.check_loss(loss, self.state.global_step + 1, self._kept)
-            self._count_positions(inputs)
+            self.window.count_positions(inputs, len(self.model.config.passes))
         return loss
 
     def clip_gradients(self) -> dict[str, float]:
-        """Clip as ``clip`` says (``all`` trainable parameters together, or only the ``adapters``) to
-        ``max_grad_norm`` (0: no clipping) and return the gradient norms the log records.
-
-        Returns:
-            ``grad_norm``: the global norm of every trainable gradient before clipping; per group present
-                (``causal`` and ``bidir`` adapters, ``mixer``) its norm before clipping ``grad_norm_<group>`` and
-                after ``grad_norm_<group>_clipped``; ``grad_norm_adapters``: both adapter sets together, before;
-                ``clip_factor``: what the clipped gradients were multiplied by (torch's ``max_grad_norm / (norm +
-                1e-6)`` capped at 1; 1 without clipping). A clipped group's after-norm is ``clip_factor`` times
-                its before-norm; an unclipped one's (the mixer under ``clip: adapters``) is its before-norm.
-        """
-        groups: dict[str, list[torch.Tensor]] = {}
-        for key, p in self.model.trainable_parameters().items():  # keys "causal:...", "bidir:...", "mixer:..."
-            groups.setdefault(key.partition(":")[0], []).append(p)
-        adapters = [p for name in ("causal", "bidir") for p in groups.get(name, [])]
-        before = {name: _norm(ps) for name, ps in groups.items()}
-        everything = [p for ps in groups.values() for p in ps]
-        limit, factor = self.settings.max_grad_norm, 1.0
-        clipped = everything if self.settings.clip == "all" else adapters
-        total = _norm(everything)
-        if limit > 0 and clipped:
-            norm = sharding.clip(clipped, limit)  # the clipped parameters' norm before clipping
-            factor = min(1.0, limit / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_ scales
-        norms = {"grad_norm": total, "clip_factor": factor}
-        if adapters:
-            norms["grad_norm_adapters"] = math.hypot(before.get("causal", 0.0), before.get("bidir", 0.0))
-        for name, ps in groups.items():
-            norms[f"grad_norm_{name}"] = before[name]
-            norms[f"grad_norm_{name}_clipped"] = _norm(ps)
-        return norms
-
-    def _count_positions(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Add a batch's real and computed positions (the prompt counted once per prompt pass) to the window."""
-        w = max(1, len(self.model.config.passes))
-        pm, am = inputs["prompt_mask"], inputs["answer_mask"]  # (B, P), (B, A)
-        real = w * int(pm.sum()) + int(am.sum())
-        computed = w * pm.numel() + am.numel()
-        self._positions = (self._positions[0] + real, self._positions[1] + computed)
+        """Clip the trainable gradients as the settings' ``clip`` and ``max_grad_norm`` say; returns the gradient
+        norms the log records (:func:`bitune.train.gradients.clip_gradients`)."""
+        return clip_gradients(self.model.trainable_parameters(), self.settings.clip, self.settings.max_grad_norm)
 
     def _kept(self) -> str:
-        """What a run stopped because it diverged kept, and what to change."""
-        found = checkpoints(Path(self.settings.output_dir))
-        kept = f"the last good checkpoint {found[-1]} is kept" if found else "no checkpoint had been written"
-        return (f"stopped without saving: {kept} and no final/ is written. Lower lr, raise warmup_ratio or set "
-                "max_grad_norm")
+        """What this run, stopped because it diverged, kept (for the error's message)."""
+        return kept_after_divergence(Path(self.settings.output_dir))
 
     def check_finite(self) -> None:
         """Refuse to save weights that hold inf or NaN.
@@ -246,12 +213,7 @@ class BituneTrainer:
         Raises:
             BituneError: naming a non-finite trained tensor.
         """
-        params = self.model.trainable_parameters()
-        bad = [k for k, p in params.items() if not bool(torch.isfinite(sharding.local(p.detach())).all())]
-        if self.fsdp:  # each process checks its shards; all stop together
-            flags = self.accelerator.reduce(torch.tensor([k in bad for k in params], device=self.accelerator.device,
-                                                         dtype=torch.int32), reduction="sum")
-            bad = [k for k, f in zip(params, flags.tolist()) if f]
+        bad = non_finite(self.model.trainable_parameters(), self.accelerator, self.fsdp)
         if bad:
             what = f"{len(bad)} trained tensor(s) hold inf/NaN (first: {bad[0]})"
             raise BituneError(parts.diverged(self.state.global_step + 1, what, self._kept()))
@@ -295,7 +257,7 @@ class BituneTrainer:
         if self.logger is not None:
             self.logger.open()
         self._bar = _progress(total, start, disable=not self.is_main)
-        self._window, self._window_steps = torch.zeros((), device=acc.device), 0  # step losses since the last log
+        self.window.restart(acc.device)
         try:
             for epoch in range(first_epoch, math.ceil(total / steps_per_epoch)):
                 resuming = resume_from if epoch == first_epoch else None
@@ -306,16 +268,16 @@ class BituneTrainer:
             self._bar.close()
             if self.logger is not None:
                 self.logger.close()
-        if self._window_steps:
-            self.state.loss_sum += float(acc.reduce(self._window.clone(), reduction="mean"))
+        if self.window.steps:
+            self.state.loss_sum += float(acc.reduce(self.window.loss.clone(), reduction="mean"))
         runtime, steps = time.time() - began, self.state.global_step - start
         examples = steps * s.batch_size * s.grad_accum * acc.num_processes
         summary = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(examples / runtime, 3),
                    "train_steps_per_second": round(steps / runtime, 3),
                    "train_loss": self.state.loss_sum / max(self.state.global_step, 1), "epoch": self.state.epoch,
                    "torch_threads": torch.get_num_threads()}
-        self._log({**summary, "batches": self._batches} if self._batches else summary)  # steps not yet logged
-        self._batches = []
+        batches = self.window.take_batches()  # steps not yet logged
+        self._log({**summary, "batches": batches} if batches else summary)
         return summary
 
     def _run_epoch(self, epoch: int, loader, sampler, total: int, done: int, resume_from: Path | None) -> None:
@@ -350,14 +312,14 @@ class BituneTrainer:
         one); returns the gradient norms (:meth:`clip_gradients`) and the learning rate the step used."""
         model, acc = self.wrapped, self.accelerator
         model.train()
-        self._batches.append(batch_digest(group))
+        self.window.batches.append(batch_digest(group))
         for i, inputs in enumerate(group):
             if self.fsdp:  # reduce-scatter once, after the last micro-batch (accumulate unsharded until then)
                 model.set_requires_gradient_sync(i == len(group) - 1)
             with contextlib.nullcontext() if i == len(group) - 1 or self.fsdp else acc.no_sync(model):
                 loss = self.batch_loss(model, inputs) / len(group)
                 acc.backward(loss)
-            self._window += loss.detach()
+            self.window.loss += loss.detach()
         norms = self.clip_gradients()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -367,21 +329,19 @@ class BituneTrainer:
 
     def _after_step(self, total: int, norms: dict[str, float], lr: float) -> None:
         """Step hooks, then log, evaluate and save as due (every checkpoint step is logged: the log is cut there)."""
-        s, step = self.settings, self.state.global_step
-        self._window_steps += 1
+        s, step, window = self.settings, self.state.global_step, self.window
+        window.steps += 1
         for hook in self.step_hooks:
             hook(step, self.model)
         self._bar.update(1)
         save = s.save_every is not None and (step % s.save_every == 0 or step == total)
         if step % s.log_every == 0 or save:
-            mean = float(self.accelerator.reduce(self._window.clone(), reduction="mean")) / self._window_steps
-            self.state.loss_sum += mean * self._window_steps
-            self._window.zero_()
-            self._window_steps = 0
+            mean = float(self.accelerator.reduce(window.loss.clone(), reduction="mean")) / window.steps
+            self.state.loss_sum += mean * window.steps
+            window.restart()
             self._log({"loss": mean, "grad_norm": norms["grad_norm"], "lr": lr,
-                       **{k: v for k, v in norms.items() if k != "grad_norm"}, **self._padding_share(),
-                       "epoch": self.state.epoch, "batches": self._batches})
-            self._batches = []
+                       **{k: v for k, v in norms.items() if k != "grad_norm"}, **window.padding_share(),
+                       "epoch": self.state.epoch, "batches": window.take_batches()})
             self._bar.set_postfix(loss=f"{mean:.4g}", refresh=False)
         if self.eval_dataset is not None and s.eval_every and (step % s.eval_every == 0 or step == total):
             self.evaluate()
@@ -392,25 +352,11 @@ class BituneTrainer:
 
     def evaluate(self) -> dict[str, float]:
         """``eval_loss``: the mean over the validation examples of each example's loss (logged too)."""
-        acc = self.accelerator
-        loader = acc.prepare_data_loader(DataLoader(self.eval_dataset, batch_size=self.settings.batch_size,
-                                                    shuffle=False, collate_fn=self.collator))
-        model, began, losses = self.wrapped, time.time(), []
-        model.eval()
-        with torch.no_grad():
-            for b in loader:
-                out = model(b["prompt_ids"], b["prompt_mask"], b["answer_ids"], b["answer_mask"])
-                losses.append(acc.gather_for_metrics(out.example_loss.detach().float()))  # (B * processes,)
-        model.train()
-        metrics = {"eval_loss": float(torch.cat(losses).mean()), "eval_runtime": round(time.time() - began, 4),
-                   "epoch": self.state.epoch}
+        began = time.time()
+        loss = eval_loss(self.wrapped, self.eval_dataset, self.settings.batch_size, self.collator, self.accelerator)
+        metrics = {"eval_loss": loss, "eval_runtime": round(time.time() - began, 4), "epoch": self.state.epoch}
         self._log(metrics)
         return metrics
-
-    def _padding_share(self) -> dict[str, float]:
-        real, computed = self._positions
-        self._positions = (0, 0)
-        return {"padding_share": round(1.0 - real / computed, 4)} if computed else {}
 
     def _log(self, values: dict[str, float]) -> None:
         ratios = self.model.mixing_ratios()  # (L,) each
@@ -436,25 +382,6 @@ def ddp_kwargs() -> DistributedDataParallelKwargs:
     """How the model is wrapped in DDP: every trainable parameter gets a gradient (tests/test_distributed.py),
     so DDP is told there are no unused parameters."""
     return DistributedDataParallelKwargs(find_unused_parameters=False)
-
-
-def batch_digest(group: list[dict[str, torch.Tensor]]) -> str:
-    """A 12-hex-digit digest of one optimizer step's examples (this process's micro-batches): each row's real
-    prompt and answer tokens, in order, padding left out. Two runs took the same batches at a step exactly when
-    their digests agree (``log.jsonl``'s ``batches``: one digest per step since the previous record)."""
-    h = hashlib.blake2b(digest_size=6)
-    for inputs in group:
-        rows = zip(inputs["prompt_ids"], inputs["prompt_mask"], inputs["answer_ids"], inputs["answer_mask"])
-        for pi, pm, ai, am in rows:
-            for ids, mask in ((pi, pm), (ai, am)):
-                h.update(ids[mask.bool()].to(torch.int64).cpu().numpy().tobytes())
-                h.update(b"|")
-    return h.hexdigest()
-
-
-def _norm(params: list[torch.Tensor]) -> float:
-    """Global L2 norm of the gradients of ``params`` (0 when none has a gradient; sharded ones reduced)."""
-    return sharding.total_norm(params)
 
 
 def _progress(total: int, start: int, disable: bool):
@@ -536,4 +463,4 @@ def _run_training(trainer: BituneTrainer, run: RunStart, first_log: dict[str, An
 
 
 __all__ = ["BituneTrainer", "StepHook", "TrainResult", "TrainState", "build_trainer", "run_training", "ddp_kwargs",
-           "resolve_bf16", "batch_digest"]
+           "resolve_bf16"]
