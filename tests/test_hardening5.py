@@ -18,6 +18,7 @@ from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
 from bitune.train import load_settings
 from helpers.architectures import tiny_model as tiny_of_type
+from helpers.gen import perturbed_bitune as tiny_bitune_on
 from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
@@ -191,3 +192,30 @@ def test_a_moe_model_wraps_without_peft_pattern_warnings(model_type):
         [str(w.message) for w in seen]
     layers = [m for m in model.modules() if hasattr(m, "r") and isinstance(m.r, dict) and "causal" in m.r]
     assert layers and all(m.r["causal"] in (4, 8) and m.scaling["causal"] == 0.25 for m in layers)
+
+
+# ------------------------------------------------------------------------------- item 3: the recorded base model
+def test_a_checkpoint_records_a_local_base_model_by_its_absolute_path(tmp_path, monkeypatch, capsys):
+    """``base_model: ./tiny`` was recorded as given: ``generate --checkpoint /abs/ckpt`` from another folder failed
+    with 'model folder ./tiny does not exist'."""
+    save_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model = tiny_bitune_on("./base")
+    model.save_pretrained("ckpt2")
+    recorded = json.loads((tmp_path / "ckpt2" / "bitune_config.json").read_text())["base_model"]
+    assert recorded == str((tmp_path / "base").resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt2"), "--prompt", "ab", "--max-new-tokens", "1",
+                 "--template", "none"]) == 0, capsys.readouterr().err
+
+
+def test_a_missing_recorded_base_names_the_checkpoint_and_base(tmp_path, capsys):
+    ckpt, _ = save_checkpoint(tmp_path)
+    config = json.loads((ckpt / "bitune_config.json").read_text())
+    config["base_model"] = str(tmp_path / "moved-away")
+    (ckpt / "bitune_config.json").write_text(json.dumps(config))
+    assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "ab"]) == 2
+    line = one_error_line(capsys, "generate")
+    assert str(tmp_path / "moved-away") in line and f"recorded in checkpoint {ckpt}" in line and "--base" in line, line

@@ -16,6 +16,7 @@ Loading is strict (every tensor must match).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from torch import nn
 
 from .config import CONFIG_FILE, read_config
 from .files import apply_umask, replace_dir
+from .hub import recorded_base
 from .modelcard import CARD_FILE, Training, is_ours
 from .modelcard import write as write_card
 
@@ -68,6 +70,7 @@ def save(model, directory: str | os.PathLike, tensors: dict[str, torch.Tensor] |
         parts.setdefault(part, {})[name] = t.detach().cpu().contiguous()
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     config, weights = model.config, model.weights
+    config = dataclasses.replace(config, base_model=recorded_base(config.base_model))  # found from any folder
     try:
         (tmp / CONFIG_FILE).write_text(config.to_json())
         if model.mixer is not None:

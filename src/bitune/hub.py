@@ -207,6 +207,15 @@ def resolve_model(name_or_path: str) -> str:
     return str(target)
 
 
+def recorded_base(name: str | None) -> str | None:
+    """The base model as a checkpoint records it, so that it is found again from any folder: a local folder by its
+    absolute path; a built-in name or a hub id as given (None stays None)."""
+    if not name or name in BUILTIN_MODELS:
+        return name
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
 CHECKPOINT_CONFIG = "bitune_config.json"
 """The file that marks a Bitune checkpoint folder (``bitune.checkpoint.CONFIG_FILE``; not imported: no torch here)."""
 

@@ -66,7 +66,13 @@ def load_bitune(checkpoint: str | None = None, model: str | None = None, base: s
         name = base if base is not None else read_config(Path(checkpoint)).base_model  # --base "": an error
         if not name:
             raise BituneError(f"{checkpoint}: the checkpoint does not record its base model; name the base model")
-        hf_model, tokenizer = load_model(name, dtype=dtype)
+        try:
+            hf_model, tokenizer = load_model(name, dtype=dtype)
+        except BituneError as e:
+            if base is not None:
+                raise
+            raise BituneError(f"{e} (the base model recorded in checkpoint {checkpoint}; if it has moved, give it "
+                              "with --base DIR)") from e
         bitune = BituneModel.from_pretrained(checkpoint, base=hf_model, prompt_passes=prompt_passes,
                                              merge=merge)
     else:
