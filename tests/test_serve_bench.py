@@ -9,7 +9,9 @@ import types
 
 import pytest
 
-from bitune.bench.serve import Prompts, checkpoints, cpu_seconds, ours, prompts, run_servers, summarize
+from bitune.bench.serve import checkpoints, ours, run_servers
+from bitune.bench.serve_load import Prompts, prompts, summarize
+from bitune.bench.serve_processes import cpu_seconds
 from bitune.errors import BituneError
 from helpers.gen import save_checkpoint
 from helpers.tokenizer import tiny_tokenizer

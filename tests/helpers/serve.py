@@ -12,7 +12,7 @@ import time
 import torch
 
 from bitune import BituneModel
-from bitune.bench.serve import free_port
+from bitune.bench.serve_processes import free_port
 from bitune.generation import pick_template
 from bitune.loading import load_bitune
 from bitune.serve.app import Served, create_app
