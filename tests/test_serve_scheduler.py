@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bitune.serve.scheduler import Event, Job, QueueFull, Scheduler
-from helpers.serve import PROMPTS, IdTokenizer, greedy_tokens, scheduler_model
+from helpers.serve import PROMPTS, Arrivals, IdTokenizer, greedy_tokens, scheduler_model
 
 WAIT = 60  # seconds a job may take here at most (a hang fails the test instead of blocking the suite)
 
@@ -42,23 +42,10 @@ def test_rows_joining_and_leaving_decode_what_each_prompt_decodes_alone(arch):
     lengths = [12, 3, 9, 15, 6]
     jobs = [Job(p, n, end_ids=frozenset()) for p, n in zip(PROMPTS, lengths)]
     events, done = _listen(jobs)
-    sizes, step = [], model.decode_step
-    scheduler = Scheduler(model, IdTokenizer(), max_batch_size=4, max_queue=8)
-
-    def arriving(state, pick):  # job i arrives during decoding step 2i (from the model's thread: no timing)
-        sizes.append(state.ids.shape[0])
-        if len(sizes) % 2 == 0 and len(sizes) // 2 < len(jobs):
-            scheduler.submit(jobs[len(sizes) // 2])
-        return step(state, pick)
-
-    model.decode_step = arriving
-    scheduler.start()
-    try:
-        scheduler.submit(jobs[0])
-        for d in done:
-            assert d.wait(WAIT), "a job never ended"
-    finally:
-        scheduler.stop()
+    arrivals = Arrivals(Scheduler(model, IdTokenizer(), max_batch_size=4, max_queue=8), jobs)  # job i: step 2i
+    step = model.decode_step
+    model.decode_step = lambda state, pick: arrivals.step(state.ids.shape[0]) or step(state, pick)
+    sizes = arrivals.run(done, WAIT)
     for job, n, ev in zip(jobs, lengths, events):
         assert ev[-1] == Event("end", finish_reason="length", prompt_tokens=len(job.prompt), completion_tokens=n)
         assert job.tokens == greedy_tokens(model, job.prompt, [], n)

@@ -18,7 +18,7 @@ from bitune.serve.app import Served
 from bitune.serve.scheduler import Job, Scheduler
 from bitune.serve.slots import SlotBatch, default_buckets
 from helpers.gen import save_checkpoint
-from helpers.serve import PROMPTS, IdTokenizer, greedy_tokens, scheduler_model, serving
+from helpers.serve import PROMPTS, Arrivals, IdTokenizer, greedy_tokens, scheduler_model, serving
 from test_cli_errors import one_error_line
 
 WAIT = 120
@@ -31,23 +31,9 @@ def _serve(model, jobs: list[Job], batch: SlotBatch, arrive_every: int = 2) -> l
     for job, d in zip(jobs, done):
         job.emit = lambda event, d=d: d.set() if event.final else None
     scheduler = Scheduler(model, IdTokenizer(), max_batch_size=batch.slots, max_queue=8, batch=batch)
-    sizes, step = [], batch.step
-
-    def arriving(pick):
-        sizes.append(batch.size)
-        if len(sizes) % arrive_every == 0 and len(sizes) // arrive_every < len(jobs):
-            scheduler.submit(jobs[len(sizes) // arrive_every])
-        return step(pick)
-
-    batch.step = arriving
-    scheduler.start()
-    try:
-        scheduler.submit(jobs[0])
-        for d in done:
-            assert d.wait(WAIT), "a job never ended"
-    finally:
-        scheduler.stop()
-    return sizes
+    arrivals, step = Arrivals(scheduler, jobs, arrive_every), batch.step
+    batch.step = lambda pick: arrivals.step(batch.size) or step(pick)
+    return arrivals.run(done, WAIT)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

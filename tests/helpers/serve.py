@@ -108,6 +108,41 @@ def submitted_jobs(scheduler: Scheduler) -> list[Job]:
     return jobs
 
 
+class Arrivals:
+    """Jobs arriving while a scheduler decodes, with no timing: job i is submitted during decoding step
+    ``every * i``, from the model's own thread. The test's step calls :meth:`step` with the batch size it runs;
+    :meth:`run` starts the scheduler, submits the first job, waits for every job to end and stops the scheduler.
+
+    Args:
+        scheduler: not started yet.
+        jobs: in order of arrival.
+        every: decoding steps between two arrivals.
+    """
+
+    def __init__(self, scheduler: Scheduler, jobs: list[Job], every: int = 2):
+        self.scheduler, self.jobs, self.every = scheduler, jobs, every
+        self.sizes: list[int] = []
+        """The batch size of every decoding step."""
+
+    def step(self, size: int) -> None:
+        """One decoding step of ``size`` rows begins: the next job arrives when it is due."""
+        self.sizes.append(size)
+        n, every = len(self.sizes), self.every
+        if n % every == 0 and n // every < len(self.jobs):
+            self.scheduler.submit(self.jobs[n // every])
+
+    def run(self, done: list[threading.Event], wait: float = WAIT) -> list[int]:
+        """Serve every job (``done``: one event per job, set at its final event); the batch size of every step."""
+        self.scheduler.start()
+        try:
+            self.scheduler.submit(self.jobs[0])
+            for d in done:
+                assert d.wait(wait), "a job never ended"
+        finally:
+            self.scheduler.stop()
+        return self.sizes
+
+
 def wait_until(condition, timeout: float = WAIT, what: str = "the condition never held") -> None:
     """Poll ``condition()`` until it is true; fails with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
