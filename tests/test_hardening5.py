@@ -5,6 +5,8 @@ MoE models, init_share's high end, and two eval processes writing one output."""
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import warnings
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from bitune.cli import main
 from bitune.commands.sweep import parse_methods
 from bitune.config_files import PACKAGED, resolve_config
 from bitune.errors import BituneError
+from bitune.files import write_text_atomic
 from bitune.train import load_settings
 from helpers.architectures import tiny_model as tiny_of_type
 from helpers.gen import perturbed_bitune as tiny_bitune_on
@@ -219,3 +222,47 @@ def test_a_missing_recorded_base_names_the_checkpoint_and_base(tmp_path, capsys)
     assert main(["generate", "--checkpoint", str(ckpt), "--prompt", "ab"]) == 2
     line = one_error_line(capsys, "generate")
     assert str(tmp_path / "moved-away") in line and f"recorded in checkpoint {ckpt}" in line and "--base" in line, line
+
+
+# ------------------------------------------------------------------------------- two eval processes, one output
+def _write_many(path: str, n: int, errors, start) -> None:
+    start.wait()  # both writers at once
+    for i in range(n):
+        try:
+            write_text_atomic(Path(path), f"{i}\n" * 2000)
+        except OSError as e:
+            errors.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_processes_writing_one_file_atomically_both_succeed(tmp_path):
+    """``eval --num-processes 2`` exited 1 once in three runs on a loaded machine: FileNotFoundError '.eval.json.tmp'
+    -> 'eval.json'. Every writer used the same temporary name, so one renamed away the file the other was about to
+    rename. Each writer has its own temporary file now; the last rename wins, whole."""
+    context = multiprocessing.get_context("fork")  # the writers only write files
+    errors, start = context.Queue(), context.Barrier(2)
+    writers = [context.Process(target=_write_many, args=(str(tmp_path / "eval.json"), 300, errors, start))
+               for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=120)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert not found and all(w.exitcode == 0 for w in writers), found[:3]
+    assert (tmp_path / "eval.json").read_text() in (f"{299}\n" * 2000,) and sorted(os.listdir(tmp_path)) == ["eval.json"]
+
+
+def test_only_the_process_that_wrote_the_result_refreshes_the_card(tmp_path, monkeypatch):
+    """Under --num-processes every launched process refreshed the checkpoint's card, the ranks without a result too,
+    each by a rename of its own: two writers of one file at the same time."""
+    import bitune.eval.evaluate
+    import bitune.modelcard
+
+    pytest.importorskip("lm_eval")
+    ckpt, _ = save_checkpoint(tmp_path)
+    refreshed = []
+    monkeypatch.setattr(bitune.modelcard, "refresh_evaluation", lambda folder: refreshed.append(folder))
+    monkeypatch.setattr(bitune.eval.evaluate, "evaluate_run", lambda **kwargs: None)  # a rank other than 0
+    assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "piqa", "--limit", "2"]) == 0
+    assert refreshed == []

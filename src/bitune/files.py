@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -51,13 +52,16 @@ def apply_umask(folder: Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to a temporary file next to ``path`` (creating its folder) and rename it into
-    place; on any failure the temporary file is removed and ``path`` is left as it was."""
+    place; on any failure the temporary file is removed and ``path`` is left as it was. Each call has a temporary
+    file of its own: two processes writing ``path`` at once both succeed, the last rename wins (with one shared
+    name, one renamed away the file the other was about to rename)."""
     path = Path(path)
     check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
+        with open(tmp, "x", encoding="utf-8") as f:  # "x": never another writer's file; mode as umask allows
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

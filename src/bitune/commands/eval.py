@@ -112,20 +112,17 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(out, "--output", keep=(*keep, *model_inputs(args)[1:]))  # and --model/--base folders
         check_replaces_own(out, "--output", "an evaluation result", is_result)
     card = card_to_refresh(args.checkpoint, out)  # before the evaluation: it never fails after it
-    if args.num_processes > 1:
+    if args.num_processes > 1:  # the launched processes evaluate; the first writes the result and the card
         from .launcher import launch
 
         check_eval_options(args.limit, args.batch_size, args.max_new_tokens, args.seed, args.label)
-        status = launch(args.num_processes, eval_argv(args))
-        if status:
-            return status  # each process's error is shown once, above
-    else:
-        evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
-                     limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                     seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
-                     template=args.template, prompt_passes=args.prompt_passes, merge=merge_mode(args),
-                     split=args.split)
-    if card:  # the checkpoint's model card shows the results just written
+        return launch(args.num_processes, eval_argv(args))  # a failure: each process's error shown once, above
+    record = evaluate_run(checkpoint=args.checkpoint, model_name=args.model, base=args.base, tasks=args.tasks,
+                          limit=args.limit, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                          seed=args.seed, label=args.label, max_new_tokens=args.max_new_tokens, output=out,
+                          template=args.template, prompt_passes=args.prompt_passes, merge=merge_mode(args),
+                          split=args.split)
+    if card and record is not None:  # the card shows the result just written, by the process that wrote it
         from ..modelcard import refresh_evaluation
 
         refresh_evaluation(args.checkpoint)
