@@ -41,6 +41,59 @@ STATUS = {
     "out_of_scope": "not a decoder-only text LM",
 }
 
+FAMILIES = {
+    "apertus": "Apertus", "arcee": "Arcee AFM", "biogpt": "BioGPT", "bitnet": "BitNet b1.58",
+    "bloom": "BLOOM, BLOOMZ", "codegen": "CodeGen", "cohere": "Command R, Command R+",
+    "cohere2": "Command R7B, Command A", "ctrl": "CTRL", "dbrx": "DBRX",
+    "deepseek_v2": "DeepSeek-V2, DeepSeek-Coder-V2", "deepseek_v3": "DeepSeek-V3, DeepSeek-R1",
+    "ernie4_5": "ERNIE 4.5", "ernie4_5_moe": "ERNIE 4.5 MoE", "exaone4": "EXAONE 4.0",
+    "falcon": "Falcon 7B / 40B / 180B", "falcon_h1": "Falcon-H1", "falcon_mamba": "Falcon Mamba",
+    "gemma": "Gemma (2B, 7B), CodeGemma", "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 270M and 1B; the text model of Gemma 3 4B-27B", "gemma3": "Gemma 3 4B-27B",
+    "gemma3n_text": "Gemma 3n", "glm4": "GLM-4-0414", "glm4_moe": "GLM-4.5, GLM-4.6", "gpt-sw3": "GPT-SW3",
+    "gpt2": "GPT-2, DistilGPT2", "gpt_bigcode": "StarCoder, SantaCoder", "gpt_neo": "GPT-Neo",
+    "gpt_neox": "Pythia, GPT-NeoX-20B", "gpt_neox_japanese": "GPT-NeoX-Japanese", "gpt_oss": "gpt-oss",
+    "gptj": "GPT-J", "granite": "Granite 3", "granitemoehybrid": "Granite 4.0", "helium": "Helium",
+    "hunyuan_v1_moe": "Hunyuan-A13B", "internlm3": "InternLM3", "jamba": "Jamba", "jetmoe": "JetMoE",
+    "kimi_linear": "Kimi Linear", "lfm2": "LFM2",
+    "llama": "Llama 2, Llama 3 / 3.1 / 3.2 / 3.3, SmolLM2, TinyLlama, DeepSeek-R1-Distill-Llama",
+    "llama4": "Llama 4 Scout, Llama 4 Maverick", "llama4_text": "Llama 4 Scout, Llama 4 Maverick (text model)",
+    "longcat_flash": "LongCat-Flash", "mamba": "Mamba", "mamba2": "Mamba-2, Codestral Mamba",
+    "minicpm3": "MiniCPM3", "minimax": "MiniMax-Text-01", "minimax_m2": "MiniMax-M2",
+    "mistral": "Mistral 7B, Mistral NeMo, Mistral Small", "mixtral": "Mixtral 8x7B, Mixtral 8x22B",
+    "mpt": "MPT", "nemotron": "Nemotron-4, Minitron", "nemotron_h": "Nemotron-H, Nemotron Nano 2",
+    "olmo": "OLMo", "olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE", "openai-gpt": "OpenAI GPT (GPT-1)",
+    "opt": "OPT", "persimmon": "Persimmon", "phi": "Phi-1, Phi-1.5, Phi-2",
+    "phi3": "Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini", "phimoe": "Phi-3.5-MoE",
+    "qwen2": "Qwen2, Qwen2.5, Qwen2.5-Coder, QwQ-32B, DeepSeek-R1-Distill-Qwen",
+    "qwen2_moe": "Qwen1.5-MoE, Qwen2-57B-A14B", "qwen3": "Qwen3 (0.6B to 32B)",
+    "qwen3_moe": "Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder", "qwen3_next": "Qwen3-Next",
+    "qwen3_5": "Qwen3.5", "qwen3_5_text": "Qwen3.5 (text model)", "qwen3_5_moe": "Qwen3.5 MoE",
+    "qwen3_5_moe_text": "Qwen3.5 MoE (text model)", "recurrent_gemma": "RecurrentGemma", "rwkv": "RWKV-4",
+    "seed_oss": "Seed-OSS", "smollm3": "SmolLM3", "stablelm": "StableLM 2", "starcoder2": "StarCoder2",
+    "vaultgemma": "VaultGemma", "xglm": "XGLM", "zamba": "Zamba", "zamba2": "Zamba2",
+}
+"""Model families published on the Hugging Face Hub, by the ``model_type`` their ``config.json`` gives: shown
+beside each type, so a model is found on the page by its name."""
+REFUSED_HELP = [
+    "## If your model is refused",
+    "",
+    "The error names the check that refused it, in one line; the note column above gives each type's reason whole. "
+    "What you can do:",
+    "",
+    "- **Train a baseline instead.** LoRA and the other baselines (`--config methods/lora`, `lora16`, `dora`, "
+    "`ia3`, `full`) read each example once, causally, as plain PEFT does: they need none of Bitune's passes and "
+    "train on any model PEFT trains.",
+    "- **Pick a supported model of the same size.** Every *pass* row above runs Bitune end to end; the built-in "
+    "`smollm2-135m` (Llama), `gemma3-270m` (Gemma 3) and `qwen2.5-0.5b` (Qwen2) need no download from the Hub.",
+    "- **A multimodal checkpoint** (`gemma3`, `qwen3_5`, `llama4`, ...): its row names the text model Bitune "
+    "trains, the row of the type that ends in `_text`.",
+    "- **A type listed as not tested** may work: wrap runs its checks on any model, listed or not, and refuses in "
+    "one line where one fails. [Contributing](contributing.md) says how a family is added; to ask for one, open an "
+    "issue with the error line and your `config.json`'s `model_type`.",
+]
+"""The page's section for a user whose model is refused."""
+
 ROWS = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
@@ -111,6 +164,22 @@ def _cell(text: str) -> str:
     return (text or "").replace("|", "\\|").replace("\n", " ")
 
 
+def _out_of_scope(model_type: str, row: dict, rows: dict) -> str | None:
+    """The note of a multimodal type whose text model is tested on its own row: ``AutoModelForCausalLM`` builds
+    that text model (the same class, e.g. ``llama4`` -> ``Llama4ForCausalLM``, the ``llama4_text`` row), or the
+    type is a wrapper around it (``gemma3`` -> ``gemma3_text``). None for the others."""
+    same = next((t for t, r in sorted(rows.items())
+                 if t != model_type and r["status"] != "out_of_scope" and r.get("model_class") == row.get("model_class")),
+                None)
+    if same is not None:
+        return (f"a multimodal checkpoint type: AutoModelForCausalLM loads its text model, {row['model_class']}, "
+                f"tested as `{same}` ({rows[same]['status']})")
+    text = f"{model_type}_text"
+    if text in rows and rows[text]["status"] != "out_of_scope":
+        return f"a multimodal wrapper: its text model is tested as `{text}` ({rows[text]['status']})"
+    return None
+
+
 def render(data: dict) -> str:
     """The Supported models page for the matrix ``data`` (what ``docs/supported-models.json`` holds)."""
     rows = data["float32"]
@@ -146,8 +215,14 @@ def render(data: dict) -> str:
         "as one forward, everything fused into one forward) that compute what the passes read one by one "
         "compute on this model. The *path* column is what wrap picked: training forward / prompt reading.",
         "",
-        "| type | model class | attention | status | path | note |",
-        "|---|---|---|---|---|---|",
+        "**Find your model.** Its type is the `model_type` in its `config.json` (on the Hub: the model page's "
+        "*Files* tab; in Python: `transformers.AutoConfig.from_pretrained(NAME).model_type`). A multimodal "
+        "checkpoint names its text model's type under `text_config`. Search this page for the type, or for the "
+        "model's name: the *models on the Hub* column names the families published under each type (e.g. "
+        "Qwen3.5 -> `qwen3_5_text`, Llama 3 -> `llama`).",
+        "",
+        "| type | models on the Hub | model class | attention | status | path | note |",
+        "|---|---|---|---|---|---|---|",
     ]
     order = ["pass", "fail", "refused", "no_tiny", "out_of_scope"]
     for model_type, r in sorted(rows.items(), key=lambda kv: (order.index(kv[1]["status"]), kv[0])):
@@ -155,8 +230,11 @@ def render(data: dict) -> str:
         if r["status"] == "fail":
             failed = {k: v for k, v in (r.get("checks") or {}).items() if v}
             note = "; ".join(f"{k}: {v}" for k, v in failed.items()) or note
-        lines.append(f"| `{model_type}` | {r.get('model_class', '')} | {r.get('attn') or ''} | {r['status']} | "
-                     f"{r.get('path', '')} | {_cell(note)} |")
+        if r["status"] == "out_of_scope":
+            note = _out_of_scope(model_type, r, rows) or note
+        lines.append(f"| `{model_type}` | {FAMILIES.get(model_type, '')} | {r.get('model_class', '')} | "
+                     f"{r.get('attn') or ''} | {r['status']} | {r.get('path', '')} | {_cell(note)} |")
+    lines += ["", *REFUSED_HELP]
     bf16 = data.get("bfloat16", {})
     if bf16:
         lines += ["", "## In bfloat16", "",

@@ -23,6 +23,7 @@ from bitune.train import load_settings
 from helpers.architectures import tiny_model as tiny_of_type
 from helpers.gen import perturbed_bitune as tiny_bitune_on
 from helpers.gen import save_checkpoint
+from helpers.scripts import load_script
 from helpers.tokenizer import tiny_tokenizer
 from test_cli_errors import no_work, one_error_line  # noqa: F401 (no_work: a fixture)
 from test_hardening import _eval_json, manifest
@@ -266,3 +267,29 @@ def test_only_the_process_that_wrote_the_result_refreshes_the_card(tmp_path, mon
     monkeypatch.setattr(bitune.eval.evaluate, "evaluate_run", lambda **kwargs: None)  # a rank other than 0
     assert main(["eval", "--checkpoint", str(ckpt), "--tasks", "piqa", "--limit", "2"]) == 0
     assert refreshed == []
+
+
+# ------------------------------------------------------------------------------- item 4: the Supported models page
+def _page_row(page: str, model_type: str) -> str:
+    return next(line for line in page.splitlines() if line.startswith(f"| `{model_type}` |"))
+
+
+def test_the_supported_models_page_finds_a_model_by_its_name_and_says_what_to_do_if_refused():
+    """Keyed by model_type without saying where a user finds theirs; no Hub names to search for; no 'if your model
+    is refused'; the llama4 row named Llama4ForCausalLM but said 'a multimodal wrapper'."""
+    script = load_script("architectures")
+    page = script.render(json.loads((Path(script.ROOT) / "docs" / "supported-models.json").read_text()))
+    assert "`model_type` in its `config.json`" in page
+    assert "Qwen3.5" in _page_row(page, "qwen3_5_text") and "Llama 3" in _page_row(page, "llama")
+    llama4 = _page_row(page, "llama4")
+    assert "Llama4ForCausalLM" in llama4 and "wrapper" not in llama4 and "`llama4_text` (refused)" in llama4
+    refused = page[page.index("## If your model is refused"):]
+    assert "--config methods/lora" in refused and "contributing.md" in refused
+
+
+def test_the_page_shows_a_refusal_reason_whole():
+    script = load_script("architectures")
+    reason = "UnsupportedModelError: " + "a long reason, " * 40 + "and its end"
+    row = {"model_type": "x", "model_class": "XForCausalLM", "attn": "sdpa", "status": "refused", "reason": reason}
+    page = script.render({"float32": {"x": row}, "versions": {"transformers": "5", "peft": "0", "torch": "2"}})
+    assert reason in _page_row(page, "x")
