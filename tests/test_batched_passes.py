@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bitune import BituneConfig
+from bitune.config import PAPER_INIT_SHARE
 from helpers.models import PAD, batch, perturb_adapters, tiny_bitune, tiny_model
 
 TWO_PASS = ["bitune", "only_causal", "shared_weights", "anti_causal"]
@@ -141,7 +142,7 @@ def test_path_functions_run_on_the_parts_alone():
     base = tiny_model("gemma3")  # sliding-window layers too
     layers = check_model(base)
     weights, text = WeightSets(base, config), base.config.get_text_config()
-    mixer = Mixer(text.num_hidden_layers, config.theta_init)
+    mixer = Mixer(text.num_hidden_layers, config.theta_init, PAPER_INIT_SHARE)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in [p for name in config.weight_sets for p in weights.parameters_of(name).values()] + [

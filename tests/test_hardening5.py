@@ -293,3 +293,44 @@ def test_the_page_shows_a_refusal_reason_whole():
     row = {"model_type": "x", "model_class": "XForCausalLM", "attn": "sdpa", "status": "refused", "reason": reason}
     page = script.render({"float32": {"x": row}, "versions": {"transformers": "5", "peft": "0", "torch": "2"}})
     assert reason in _page_row(page, "x")
+
+
+# ------------------------------------------------------------------------------- I. init_share's high end
+@pytest.mark.parametrize("share", [0.9999999999, 1 - 2 ** -25])
+def test_an_init_share_whose_mixing_ratio_saturates_is_refused_naming_the_usable_range(share, capsys):
+    """0.9999999999 was accepted and stuck: theta about 1e8, a == 1.0 in float32, the mixer's gradient 0. The low
+    end (1e-36) was already refused for the same reason; each place that checks a share checks it the same way."""
+    from bitune.mixer import Mixer
+
+    with pytest.raises(ValueError, match=rf"init_share={share!r} is too close to 1.*float32.*0\.99999994"):
+        BituneConfig(init_share=share)
+    with pytest.raises(ValueError, match="too close to 1"):
+        Mixer(2, theta_init=0.01, init_share=share)
+    assert main(["train", "--set", f"bitune.init_share={share!r}", "--dry-run"]) == 2
+    assert f"init_share={share!r} is too close to 1" in one_error_line(capsys, "train")
+
+
+def test_the_highest_usable_init_share_still_learns():
+    from bitune.mixer import Mixer
+
+    mixer = Mixer(1, theta_init=0.01, init_share=1 - 2 ** -24)
+    a = mixer.ratios()["k"]
+    assert a.item() < 1.0
+    mixer.ratio(mixer.theta_k).sum().backward()
+    assert mixer.theta_k.grad.item() > 0
+
+
+def test_init_shares_default_and_range_live_in_one_place(tmp_path):
+    """The default was 0.1 in config.py and 0.5 in mixer.py; the range was checked in config.py, mixer.py and
+    plot.py."""
+    import inspect
+
+    from bitune.config import DEFAULT_INIT_SHARE
+    from bitune.mixer import Mixer
+    from bitune.plot import initial_ratio
+
+    assert BituneConfig().init_share == DEFAULT_INIT_SHARE
+    assert inspect.signature(Mixer).parameters["init_share"].default is inspect.Parameter.empty
+    (tmp_path / "settings.yaml").write_text("bitune:\n  init_share: 0.9999999999\n")
+    with pytest.raises(BituneError, match="too close to 1"):
+        initial_ratio(tmp_path / "log.jsonl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bitune.config import PAPER_INIT_SHARE
 from bitune.mixer import Mixer
 from bitune.reference import _ratio
 from helpers.models import tiny_bitune
@@ -15,7 +16,7 @@ RATIOS = [0.5, 0.75, 0.5, 0.0]  # 0.01/0.02, 0.03/0.04, |-0.01|/0.02, 0/0.01
 
 
 def test_ratio_is_the_papers_formula_by_hand():
-    mixer = Mixer(num_layers=4, theta_init=0.01)
+    mixer = Mixer(num_layers=4, theta_init=0.01, init_share=PAPER_INIT_SHARE)
     assert mixer.ratios()["k"].tolist() == [0.5] * 4  # theta starts at theta_init: a = 0.5
     theta = torch.tensor(THETAS)
     assert mixer.ratio(theta).tolist() == pytest.approx(RATIOS, abs=1e-7)
@@ -23,7 +24,7 @@ def test_ratio_is_the_papers_formula_by_hand():
 
 
 def test_mixing_by_hand_per_layer_and_in_float32():
-    mixer = Mixer(num_layers=2, theta_init=0.01)
+    mixer = Mixer(num_layers=2, theta_init=0.01, init_share=PAPER_INIT_SHARE)
     with torch.no_grad():
         mixer.theta_k.copy_(torch.tensor([0.03, 0.01]))  # a_k = 0.75, 0.5
         mixer.theta_v.copy_(torch.tensor([0.0, -0.03]))  # a_v = 0, 0.75

@@ -203,5 +203,5 @@ def test_a_run_started_near_causal_starts_its_curves_at_its_recorded_share(tmp_p
     steps, ratios = read_mixing_log(tmp_path / "log.jsonl")
     assert steps == [0, 5] and ratios["k"][0] == ratios["v"][0] == [0.1, 0.1]
     (tmp_path / "settings.yaml").write_text("bitune:\n  init_share: 1.5\n")
-    with pytest.raises(BituneError, match="init_share is 1.5"):
+    with pytest.raises(BituneError, match=r"init_share=1.5 is not a share in \(0, 1\)"):
         read_mixing_log(tmp_path / "log.jsonl")

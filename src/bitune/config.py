@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,18 @@ from .files import check_named, read_text
 CONFIG_FILE = "bitune_config.json"
 PAPER_INIT_SHARE = 0.5
 """The paper's bidirectional share at step 0 (theta = theta_init), pinned by its configs; the library's default
-:attr:`BituneConfig.init_share` starts nearer causal."""
+(:data:`DEFAULT_INIT_SHARE`) starts nearer causal."""
+DEFAULT_INIT_SHARE = 0.1
+"""The default bidirectional share at step 0 (:attr:`BituneConfig.init_share`): the model starts near its causal
+self, so a short run does not begin by feeding the decoder mostly untrained bidirectional features."""
 RECORDED_DEFAULTS: dict[str, Any] = {"template": "paper", "init_share": PAPER_INIT_SHARE}
 """What a checkpoint or run that does not record a field was made with: the field's value before it was
 recorded (``template``) or before its default changed (``init_share``: 0.5 until the default became 0.1)."""
 FLOAT32_TINY = 1.1754943508222875e-38
 """The smallest normal float32 (``torch.finfo(torch.float32).tiny``): the least start theta that is accepted."""
+MAX_INIT_SHARE = 1 - 2 ** -24
+"""The largest share whose mixing ratio float32 holds below 1 (the float32 just below 1.0), whatever theta_init: a
+share nearer 1 starts at a == 1.0 exactly, where theta gets no gradient."""
 """The file a checkpoint records its :class:`BituneConfig` in."""
 
 VARIANTS: dict[str, str] = {
@@ -101,11 +108,12 @@ class BituneConfig:
     list of module names."""
     theta_init: float = 0.01
     """Scale of the mixing parameters theta, > 0: the mixing ratio is a = |theta| / (theta_init + |theta|)."""
-    init_share: float = 0.1
+    init_share: float = DEFAULT_INIT_SHARE
     """Bidirectional share a of every layer's keys and values at step 0, in (0, 1), with theta = theta_init * a /
-    (1 - a): the default 0.1 starts the model near its causal self, so a short run does not begin by feeding the
-    decoder mostly untrained bidirectional features; the paper starts at 0.5 (theta = theta_init), which its
-    configs pin. A share so small that theta rounds to 0 in float32 (where |theta| gets no gradient) is refused."""
+    (1 - a) (:func:`start_theta`): the default 0.1 starts the model near its causal self, so a short run does not
+    begin by feeding the decoder mostly untrained bidirectional features; the paper starts at 0.5 (theta =
+    theta_init), which its configs pin. A share so near 0 that theta is below float32's normal range, or so near
+    1 that a is 1.0 in float32 (either way theta gets no gradient), is refused (:func:`init_share_problem`)."""
     base_model: str | None = None
     """Name or path of the base model, recorded so a checkpoint can reload its base by itself; None: not
     recorded (the base must then be given when loading)."""
@@ -131,15 +139,9 @@ class BituneConfig:
             raise ValueError(f"BituneConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if not self.theta_init > 0:
             raise ValueError(f"BituneConfig.theta_init must be > 0, got {self.theta_init!r}")
-        if not 0.0 < self.init_share < 1.0:
-            raise ValueError(f"BituneConfig.init_share must be in (0, 1) (the bidirectional share at step 0; the "
-                             f"paper's {PAPER_INIT_SHARE}), got {self.init_share!r}")
-        start = self.theta_init * self.init_share / (1.0 - self.init_share)  # the mixer's theta at step 0
-        if start < FLOAT32_TINY:
-            raise ValueError(f"BituneConfig.init_share={self.init_share!r} is too small: theta starts at theta_init "
-                             f"* a / (1 - a) = {start:.3g}, which float32 cannot hold as a normal number (below "
-                             f"{FLOAT32_TINY:.3g}; at 0 |theta| gets no gradient and the share stays 0); use at least "
-                             f"{FLOAT32_TINY / self.theta_init:.1g} with theta_init={self.theta_init:g}")
+        problem = init_share_problem(self.init_share, self.theta_init)
+        if problem:
+            raise ValueError(f"BituneConfig.{problem}")
         if (self.target_modules != "all-linear" if isinstance(self.target_modules, str)
                 else not isinstance(self.target_modules, (list, tuple))
                 or not all(isinstance(m, str) and m for m in self.target_modules)):
@@ -216,6 +218,52 @@ class BituneConfig:
         if unknown:
             raise ValueError(f"BituneConfig: unknown key(s) {unknown}; allowed: {sorted(known)}")
         return cls(**data)
+
+
+def start_theta(init_share: float, theta_init: float) -> float:
+    """The mixer's theta at step 0 for the bidirectional share ``init_share``: theta_init * a / (1 - a), so that
+    a = |theta| / (theta_init + |theta|) = ``init_share`` (theta_init itself at the paper's 0.5)."""
+    return theta_init if init_share == PAPER_INIT_SHARE else theta_init * init_share / (1.0 - init_share)
+
+
+def init_share_problem(init_share: Any, theta_init: float) -> str | None:
+    """What makes ``init_share`` no start for the mixer with ``theta_init``, or None: the one check of the share,
+    wherever one is given or read (:class:`BituneConfig`, :class:`bitune.mixer.Mixer`, a run's settings in
+    :mod:`bitune.plot`). A share is a number in (0, 1) whose mixing ratio can move: its start theta is a normal
+    float32 (below that, theta is 0 and gets no gradient) and its ratio a, computed in float32 as the mixer does,
+    is below 1.0 (at 1.0, ``init_share`` > :data:`MAX_INIT_SHARE`, the gradient is 0).
+
+    Returns:
+        ``"init_share=... is ...; use ..."``, naming the value and the usable range, for the caller to prefix.
+    """
+    low = FLOAT32_TINY * (1.0 + 1e-12) / theta_init  # the least share whose theta float32 holds as a normal number
+    usable = f"use a share in [{low:.1g}, {MAX_INIT_SHARE:.8g}] with theta_init={theta_init:g}"
+    if isinstance(init_share, bool) or not isinstance(init_share, (int, float)) or not 0.0 < init_share < 1.0:
+        return (f"init_share={init_share!r} is not a share in (0, 1) (the bidirectional share at step 0; the "
+                f"paper's {PAPER_INIT_SHARE}); {usable}")
+    start = start_theta(init_share, theta_init)
+    if start < FLOAT32_TINY:
+        return (f"init_share={init_share!r} is too small: theta starts at theta_init * a / (1 - a) = {start:.3g}, "
+                f"which float32 cannot hold as a normal number (below {FLOAT32_TINY:.3g}; at 0 |theta| gets no "
+                f"gradient and the share stays 0); {usable}")
+    if _float32_ratio(start, theta_init) >= 1.0:
+        return (f"init_share={init_share!r} is too close to 1: theta starts at {start:.3g} and the mixing ratio a = "
+                f"|theta| / (theta_init + |theta|) is 1.0 in float32, where theta gets no gradient and the share "
+                f"stays 1; {usable}")
+    return None
+
+
+def _float32_ratio(theta: float, theta_init: float) -> float:
+    """a = theta / (theta_init + theta) as the mixer computes it, in float32 (each operation rounded to float32;
+    a theta beyond float32's range is 1.0)."""
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    try:
+        t = f32(theta)
+        return f32(t / f32(f32(theta_init) + t))
+    except OverflowError:
+        return 1.0
 
 
 def _check_number(name: str, value: Any) -> None:

@@ -13,26 +13,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .config import init_share_problem, start_theta
+
 
 class Mixer(nn.Module):
     """Per-layer mixing coefficients.
 
     Args:
         num_layers: number of transformer blocks L.
-        theta_init: the scale of theta in a = |theta| / (theta_init + |theta|) (default 0.01).
-        init_share: every a at the start, in (0, 1) (default 0.5: theta = theta_init, the paper's start).
+        theta_init: the scale of theta in a = |theta| / (theta_init + |theta|).
+        init_share: every a at the start (:attr:`bitune.config.BituneConfig.init_share`, whose default is the
+            library's; the paper's 0.5 starts theta at theta_init), checked by
+            :func:`bitune.config.init_share_problem`.
         states: further coefficients, for the per-row states of recurrent layers (:mod:`bitune.kinds`): ``"s"``
             mixes a recurrent state, ``"c"`` a conv state, each with its own theta per layer (``theta_s``,
             ``theta_c``), starting at the same share as K/V. Default none (attention-only models).
     """
 
-    def __init__(self, num_layers: int, theta_init: float = 0.01, init_share: float = 0.5,
-                 states: tuple[str, ...] = ()):
+    def __init__(self, num_layers: int, theta_init: float, init_share: float, states: tuple[str, ...] = ()):
         super().__init__()
-        if not 0.0 < init_share < 1.0:
-            raise ValueError(f"init_share must be in (0, 1), got {init_share!r}")
+        problem = init_share_problem(init_share, theta_init)
+        if problem:
+            raise ValueError(f"Mixer: {problem}")
         self.theta_init = theta_init
-        start = theta_init if init_share == 0.5 else theta_init * init_share / (1.0 - init_share)
+        start = start_theta(init_share, theta_init)
         self.theta_k = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
         self.theta_v = nn.Parameter(torch.full((num_layers,), start, dtype=torch.float32))  # (L,)
         for name in states:  # one entry per layer; a layer without such a state leaves its entry unused

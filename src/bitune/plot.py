@@ -21,15 +21,13 @@ import torch
 if TYPE_CHECKING:
     from .adapters import WeightSets
 from .attention import attention_implementation
+from .config import RECORDED_DEFAULTS, BituneConfig, init_share_problem
 from .errors import BituneError
 from .files import check_input_file, jsonl_records
 from .generation import encode, render
 from .inputs import check_prompt
 from .masks import pass_mask, position_ids
 
-INITIAL_RATIO = 0.5
-"""a = |theta| / (theta_init + |theta|) at theta = theta_init, for every theta_init: where every curve starts in
-the paper's setting; a run with another ``bitune.init_share`` (recorded in its ``settings.yaml``) starts there."""
 STEPS_FILE = "mixing_over_steps.png"
 FINAL_FILE = "mixing_final.png"
 ATTENTION_FILE = "attention.png"
@@ -76,7 +74,8 @@ def read_mixing_log(path: str | Path) -> tuple[list[int], dict[str, list[list[fl
 
 def initial_ratio(log: Path) -> float:
     """Every layer's a at step 0 of the run that wrote ``log``: its ``bitune.init_share`` (``settings.yaml`` beside
-    the log), or the paper's 0.5 when the run records none."""
+    the log), or the paper's 0.5 when the run records none (a run made before the share was recorded started
+    there: :data:`bitune.config.RECORDED_DEFAULTS`)."""
     import yaml
 
     settings = log.parent / "settings.yaml"
@@ -86,9 +85,13 @@ def initial_ratio(log: Path) -> float:
         raise BituneError(f"{settings}: not readable YAML ({e}); it records the run's initial mixing ratio") from e
     share = ((data or {}).get("bitune") or {}).get("init_share") if isinstance(data, dict) else None
     if share is None:
-        return INITIAL_RATIO
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < 1.0:
-        raise BituneError(f"{settings}: bitune.init_share is {share!r}, not a share in (0, 1)")
+        return RECORDED_DEFAULTS["init_share"]
+    theta_init = data["bitune"].get("theta_init")  # the share is checked against the run's own scale
+    if isinstance(theta_init, bool) or not isinstance(theta_init, (int, float)) or not theta_init > 0:
+        theta_init = BituneConfig.theta_init
+    problem = init_share_problem(share, theta_init)
+    if problem:
+        raise BituneError(f"{settings}: bitune.{problem}")
     return float(share)
 
 
