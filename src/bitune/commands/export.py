@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import sys
 from pathlib import Path
 
 from ..errors import BituneError
 from ..files import check_named, check_output_dir
 from ..hub import CHECKPOINT_CONFIG as CONFIG_FILE
 from ..modelcard import CARD_FILE, is_ours, read_training
-from .options import HelpFormatter
+from .options import HelpFormatter, add_threads_option
 
 HELP = "export a checkpoint's causal weights merged, as a plain transformers model folder"
 
@@ -27,6 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the output folder: new, empty, or an earlier export (replaced; files an export does "
                              "not write, e.g. your README.md, are kept); never the checkpoint or its base model")
     parser.add_argument("--base", metavar="NAME", help="base model to load instead of the one the checkpoint records")
+    add_threads_option(parser)
 
 
 EXPORT_WRITES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
@@ -94,14 +96,21 @@ def check_merged(merged: str, checkpoint: str, base: str | None = None) -> tuple
     return out, tuple(n for n in held if n not in ours and not any(fnmatch.fnmatchcase(n, p) for p in EXPORT_WRITES))
 
 
+def say(what: str) -> None:
+    """A progress line on stderr: each step of an export can take minutes on a busy machine."""
+    print(f"bitune export: {what} ...", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..export import export_merged
     from ..loading import load_bitune
 
     out, kept = check_merged(args.merged, args.checkpoint, args.base)
+    say(f"loading {args.checkpoint} and its base model")
     model, tokenizer = load_bitune(checkpoint=args.checkpoint, base=args.base, device="cpu")
     if model.config.variant == "pretrained":
         raise BituneError(f"{args.checkpoint} is a 'pretrained' checkpoint: the base model is its own export")
+    say(f"merging the causal weights and writing {out}")
     export_merged(model, out, tokenizer, keep=kept, training=read_training(args.checkpoint))  # the card's training
     if kept:
         print(f"bitune export: kept {', '.join(kept)} in {out} (not written by an export)"
