@@ -361,3 +361,14 @@ def test_export_applies_threads_and_says_what_it_is_doing(tmp_path, capsys):
         torch.set_num_threads(before)
     err = capsys.readouterr().err
     assert "bitune export: loading" in err and "bitune export: merging" in err, err
+
+
+# ------------------------------------------------------------------------------- item 7: minor frictions
+def test_configs_list_and_the_training_guide_give_alpaca_demos_true_size():
+    """`configs list` said 999 rows, the training guide 985: the file holds 999, of which 985 are unique and used."""
+    from bitune.config_files import describe
+    from bitune.data.datasets import load_examples
+
+    used = len(load_examples("alpaca_demo", "train")) + len(load_examples("alpaca_demo", "validation"))
+    guide = (Path(PACKAGED).parents[2] / "docs" / "guides" / "training.md").read_text()
+    assert f"{used} rows" in guide and f"{used} unique" in describe("instruct/alpaca_demo")
