@@ -372,3 +372,19 @@ def test_configs_list_and_the_training_guide_give_alpaca_demos_true_size():
     used = len(load_examples("alpaca_demo", "train")) + len(load_examples("alpaca_demo", "validation"))
     guide = (Path(PACKAGED).parents[2] / "docs" / "guides" / "training.md").read_text()
     assert f"{used} rows" in guide and f"{used} unique" in describe("instruct/alpaca_demo")
+
+
+def test_a_run_that_ends_leaves_no_lock_file_behind(tmp_path):
+    """A finished run kept run.lock holding a dead pid; the lock is the operating system's, the file only its handle."""
+    from bitune.train.run_folder import LOCK_FILE, run_lock
+    from bitune.train.trainer import run_training
+    from helpers.train import make_trainer
+
+    trainer, settings = make_trainer(tmp_path, steps=2)
+    run_training(trainer, settings)
+    assert (tmp_path / "run" / "final").is_dir() and not (tmp_path / "run" / LOCK_FILE).exists()
+    with pytest.raises(RuntimeError):
+        with run_lock(tmp_path / "other"):
+            assert (tmp_path / "other" / LOCK_FILE).is_file()  # held: the file names the holder
+            raise RuntimeError("the run failed")
+    assert not (tmp_path / "other" / LOCK_FILE).exists()

@@ -7,7 +7,8 @@ already holds a run, ``--resume`` refuses a folder with nothing to resume or a f
 ``--overwrite`` lets a run replace what is there. While a run trains, its main process holds an exclusive
 ``flock`` on ``run.lock`` in the folder: a second ``bitune train`` on the same folder stops at once with an
 error. The operating system drops the lock when the process ends, however it ends (exit, crash, ``kill -9``),
-so a lock is never stale. Light: no torch.
+so a lock is never stale; a run that ends (finished or failed) also removes the file, which a ``kill -9`` leaves
+behind, unlocked. Light: no torch.
 """
 
 from __future__ import annotations
@@ -343,7 +344,9 @@ def run_lock(output_dir: str | Path) -> Iterator[None]:
     try:
         yield
     finally:
-        os.close(fd)  # releases the lock; the file stays (only a failed start removes its own, see start_run)
+        if _same_file(fd, path):  # removed while still held: a process that opened it meanwhile retries anew
+            path.unlink(missing_ok=True)  # a run that ended leaves no file naming a dead pid
+        os.close(fd)  # releases the lock
 
 
 def _same_file(fd: int, path: Path) -> bool:
