@@ -1,4 +1,4 @@
-"""The architecture matrix: run the five checks on a tiny model of every decoder-only causal LM in the pinned
+"""The architecture matrix: run the six checks on a tiny model of every decoder-only causal LM in the pinned
 transformers (``tests/helpers/architectures.py``), write the results to ``docs/supported-models.json`` and render
 the Supported models page (``docs/supported-models.md``) from that file.
 
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "supported-models.json"
 PAGE = ROOT / "docs" / "supported-models.md"
-BF16 = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+BF16 = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "qwen3_5_text", "nemotron_h",
+        "lfm2")
 """Types also checked in bfloat16 (what GPU users train in), with bfloat16's tolerances."""
 TIMEOUT_S = 300
 """Seconds a process may take (a chunk, or one type re-run alone)."""
@@ -193,7 +194,8 @@ def render(data: dict) -> str:
         "",
         f"Every causal-LM type of transformers {v['transformers']} (PEFT {v['peft']}, torch {v['torch']}), as "
         "transformers lists them (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), built as a tiny random model (hidden 64, "
-        "2 layers, 4 heads / 2 key-value heads, vocab 96) and put through five checks: **wrap** "
+        "2 layers, 4 heads / 2 key-value heads, vocab 96; hybrids: every kind of layer twice) and put through six "
+        "checks: **wrap** "
         "(`BituneModel.wrap` with LoRA rank 4 succeeds, or refuses in one line), **train** (a padded batch gives "
         "a finite loss; backward reaches both adapter sets wherever a plain LoRA forward reaches, and every "
         "theta), **correct** (at share 0 the answer logits equal a plain causal forward; the fused, batched and "
@@ -201,18 +203,23 @@ def render(data: dict) -> str:
         "every layer and the causal one does not; a padded row equals the row alone; the `lora` variant equals "
         "plain PEFT), **generate** (greedy generation equals the argmax of teacher forcing; at share 0 it equals "
         "the causal model's greedy tokens; the `pretrained` variant equals the untouched model) and **merge** "
-        "(`merge()` keeps logits within 1e-4 and greedy tokens identical). The checks are "
+        "(`merge()` keeps logits within 1e-4 and greedy tokens identical) and, for models whose layers keep "
+        "per-row states (recurrent, convolution), **states** (at share 0 the cache holds the causal pass's states "
+        "exactly; a left-padded row equals its prompt alone on every prompt path; every state coefficient gets a "
+        "gradient). The checks are "
         "`tests/helpers/architectures.py`; `pytest -m architectures` re-runs them all and compares with this page.",
         "",
         f"**{counts['pass']} of the {tested} types whose tiny model builds pass every check**; "
         f"{counts['refused']} are refused at wrap with the reason; {counts['fail']} are accepted with a failing "
         f"check; {counts['no_tiny']} could not be tested; {counts['out_of_scope']} are not decoder-only text LMs.",
         "",
-        "What wrap checks on any model, listed here or not (`bitune.support`): every decoder layer keeps attention "
-        "keys and values in a transformers cache (recurrent and hybrid models are refused: Bitune's mixing is "
-        "defined for attention keys and values), no ALiBi biases, the bidirectional pass sees later tokens in "
-        "every layer and the causal pass does not; then it keeps only the fast paths (prompt passes batched "
-        "as one forward, everything fused into one forward) that compute what the passes read one by one "
+        "What wrap checks on any model, listed here or not (`bitune.support`): every decoder layer is of a kind "
+        "Bitune implements (`bitune.kinds`: attention, sliding-window attention, recurrent and convolution layers "
+        "whose final states are mixed, attention and SSM side by side, MLP-only blocks; chunked and indexed "
+        "attention, KV sharing and models without any attention layer are refused with the reason), no ALiBi "
+        "biases, the bidirectional pass sees later tokens in every attention layer and the causal pass does not; "
+        "then it keeps only the fast paths (prompt passes batched as one forward, everything fused into one "
+        "forward) that the layers allow and that compute what the passes read one by one "
         "compute on this model. The *path* column is what wrap picked: training forward / prompt reading.",
         "",
         "**Find your model.** Its type is the `model_type` in its `config.json` (on the Hub: the model page's "

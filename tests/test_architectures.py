@@ -58,9 +58,9 @@ def test_representative_architectures_pass_every_check(model_type):
 @pytest.mark.parametrize(("model_type", "reason"), [
     ("gpt_neo", "does not see later tokens"),  # a causal mask of its own
     ("mpt", "ALiBi"),
-    ("rwkv", "keeps no attention keys and values"),  # recurrent
-    ("lfm2", "keeps no attention keys and values"),  # hybrid: convolution and attention layers
-    ("llama4_text", "chunked_attention"),  # a layer type the masks do not implement
+    ("rwkv", "recurrent model without attention"),  # recurrent, its own cache
+    ("mamba", "no layer can read later tokens"),  # recurrent: no attention layer, so no bidirectional pass
+    ("llama4_text", "chunked_attention"),  # a layer kind not implemented yet
 ])
 def test_architectures_bitune_is_not_defined_for_are_refused_at_wrap_in_one_line(model_type, reason):
     with pytest.raises(UnsupportedModelError) as e:
@@ -100,6 +100,44 @@ def test_the_merge_check_fails_when_expert_weights_are_not_merged_for_the_bidire
     assert A.check_merge("qwen3_moe", "sdpa", torch.float32, notes) is None and "declined" in notes[0]  # merge sees it
     monkeypatch.setattr("bitune.probe.agree", lambda a, b: True)  # merge's own check made blind
     assert A.check_merge("qwen3_moe", "sdpa", torch.float32) is not None
+
+
+# ------------------------------------------------------------------------------- hybrids: layers that keep states
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2"])
+def test_hybrid_architectures_pass_every_check(model_type):
+    """Qwen3.5 (Gated DeltaNet + attention), Nemotron-H (Mamba2 + attention + MLP-only layers), LFM2 (convolutions
+    + attention): every check of the matrix, the state checks included (share 0 keeps the causal pass's states
+    exactly, a padded row equals its prompt alone, every state coefficient learns)."""
+    result = A.run(model_type)
+    assert result.status == "pass", result.checks or result.reason
+    assert result.status == MATRIX["float32"][model_type]["status"]
+
+
+def test_the_state_check_fails_when_recurrent_layers_get_the_4d_mask(monkeypatch):
+    """Recurrent layers zero padded positions only when given the 2D padding mask; handed the pass's 4D mask, a
+    left-padded row's state takes in its padding: check_states sees it differ from the prompt alone."""
+    from dataclasses import replace
+
+    from bitune import kinds
+    monkeypatch.setitem(kinds.KINDS, "recurrent", replace(kinds.KINDS["recurrent"], mask="attention"))
+    problem = A.check_states("qwen3_5_text", "sdpa", torch.float32)
+    assert problem is not None and "alone" in problem
+
+
+def test_the_correctness_check_fails_when_states_are_not_mixed(monkeypatch):
+    """A mixer that mixes keys and values but leaves the causal pass's states (share > 0 changes nothing there)
+    disagrees with the reference, which mixes them."""
+    has = Mixer.has
+    monkeypatch.setattr(Mixer, "has", lambda self, c: c in "kv" and has(self, c))
+    assert A.check_correct("qwen3_5_text", "sdpa", torch.float32) is not None
+
+
+def test_the_training_check_fails_when_states_are_written_in_place(monkeypatch):
+    """transformers' recurrent cache layer copies a new state into the old tensor; on a mixed state the answer
+    pass's write breaks the backward (the cache's assigning layers prevent it)."""
+    monkeypatch.setattr("bitune.cache.assigning", lambda layer: None)
+    with pytest.raises(RuntimeError, match="inplace"):
+        A.check_train(A.wrapped("qwen3_5_text", "sdpa"))
 
 
 def test_the_training_check_fails_when_the_thetas_get_no_gradient(monkeypatch):

@@ -84,6 +84,9 @@ class Conversation:
         mode = upgrade_mode(mode)
         if mode not in MODES:
             raise BituneError(f"chat mode {mode!r} is not one of {list(MODES)}")
+        if mode == "alternating" and (why := model.layer_kinds.allows("extend")) is not None:
+            raise BituneError(f"chat mode 'alternating' extends the conversation's cache with each prompt's passes, "
+                              f"which this model cannot ({why}); use --mode reread")
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         self.why = "as requested"
         if template == "auto":

@@ -374,6 +374,8 @@ class BituneModel(nn.Module):
         if compile and return_state:
             raise ValueError("generate(compile=True) decodes into a static cache and returns no conversation state; "
                              "drop return_state or compile")
+        if compile and (why := self.layer_kinds.allows("compiled")) is not None:
+            raise ValueError(f"generate(compile=True) decodes from a static cache, which this model cannot use ({why})")
         if compile:
             generate_kwargs["compile_config"] = decoding.decode_compile_config(prompt_ids.device)
         check_prompt(prompt_ids, prompt_mask)

@@ -6,7 +6,9 @@ For left-padded prompts x_1..x_P and right-padded answers y_1..y_A (eos included
    weights, the bidirectional pass with the bidir weights (the ablations change a mask or a weight set:
    ``BituneConfig.passes``).
 2. Per layer, the keys and values are mixed (eq. 6-7): ``K = K_causal (1 - a_k) + K_bidir a_k``, ``V`` likewise,
-   with ``a = |theta| / (theta_init + |theta|)``, in float32.
+   with ``a = |theta| / (theta_init + |theta|)``, in float32. In a hybrid model, a recurrent or conv layer runs
+   its own causal scan in both passes (on the 2D padding mask) and its final states are mixed the same way with
+   their own coefficients: ``S = S_causal (1 - a_s) + S_bidir a_s``, the conv state with ``a_c``.
 3. One causal forward with the causal weights reads x_P, y_1..y_{A-1} on top of the mixed cache, positions
    continuing after the prompt's real tokens; its logits predict y_1..y_A.
 4. The loss is the example mean (:class:`bitune.outputs.BituneOutput`): each example's mean answer-token
@@ -54,10 +56,18 @@ def reference_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         caches.append(cache)
     cache = caches[0]
     if model.mixer is not None:  # step 2
+        thetas = dict(model.mixer.named_parameters())
         for layer, (c, b) in enumerate(zip(caches[0].layers, caches[1].layers)):
-            a_k, a_v = (_ratio(theta[layer], config.theta_init) for theta in (model.mixer.theta_k, model.mixer.theta_v))
-            c.keys = (c.keys.float() * (1 - a_k) + b.keys.float() * a_k).to(c.keys.dtype)  # (B, nh, T, hs)
-            c.values = (c.values.float() * (1 - a_v) + b.values.float() * a_v).to(c.values.dtype)
+            for name, theta in (("keys", "theta_k"), ("values", "theta_v")):
+                if isinstance(getattr(c, name, None), torch.Tensor):  # (B, nh, T, hs)
+                    a = _ratio(thetas[theta][layer], config.theta_init)
+                    setattr(c, name, (getattr(c, name).float() * (1 - a) + getattr(b, name).float() * a).to(
+                        getattr(c, name).dtype))
+            for name, theta in (("recurrent_states", "theta_s"), ("conv_states", "theta_c")):
+                if theta in thetas and isinstance(getattr(c, name, None), dict):  # {state index: (B, ...)}
+                    a = _ratio(thetas[theta][layer], config.theta_init)
+                    setattr(c, name, {i: x if x is None else (x.float() * (1 - a) + getattr(b, name)[i].float() * a
+                                                              ).to(x.dtype) for i, x in getattr(c, name).items()})
     step_ids = torch.cat([prompt_ids[:, -1:], answer_ids[:, :-1]], 1)  # (B, A): x_P, y_1..y_{A-1}
     step_mask = torch.cat([prompt_mask[:, -1:], answer_mask[:, :-1]], 1)  # (B, A)
     full_mask = torch.cat([mask, step_mask], 1)  # (B, T + A)
@@ -91,10 +101,23 @@ def _pass_mask(mask: torch.Tensor, kind: str, text, impl: str, dtype: torch.dtyp
         ok = (ok & mask.bool()[:, None, None, :]) | (q == k)  # (B, 1, T, T)
         return ok if impl == "sdpa" else torch.where(ok, 0.0, torch.finfo(dtype).min).to(dtype)
 
-    types, window = set(getattr(text, "layer_types", None) or ()), getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    types, window = set(types), getattr(text, "sliding_window", None)
+    if types & (SCANNED | UNMASKED | {"hybrid"}):  # a hybrid: recurrent and conv layers read the 2D padding mask
+        out = {t: mask if t in SCANNED else None if t in UNMASKED else build(window if t == "sliding_attention" else None)
+               for t in types}
+        if "hybrid" in types:  # attention and an SSM side by side (Falcon-H1) read both
+            out.update(full_attention=build(None), linear_attention=mask)
+        return out
     if "sliding_attention" in types:
         return {"full_attention": build(None), "sliding_attention": build(window)}
     return build(window if not types else None)
+
+
+SCANNED = {"linear_attention", "conv", "mamba"}
+"""Layer types of recurrent and conv layers: causal scans that take the (B, T) padding mask, no 4D mask."""
+UNMASKED = {"mlp", "moe"}
+"""Layer types of blocks without attention or state."""
 
 
 def _forward(model, weight_set: str, **kwargs):

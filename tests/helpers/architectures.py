@@ -43,7 +43,7 @@ from bitune.reference import reference_logits
 
 VOCAB = 96
 PAD = 0
-CHECKS = ("wrap", "train", "correct", "generate", "merge")
+CHECKS = ("wrap", "train", "correct", "generate", "merge", "states")
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 """Agreement between paths of one model: float32 rounding, or bfloat16's (mixing itself runs in float32)."""
 MERGE_ATOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
@@ -63,7 +63,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             qk_head_dim=16, sliding_window=64, attention_window_size=64, rotary_dim=8,
             # linear-attention and SSM layers: few and small heads and states
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, ssm_state_size=16,
+            mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, ssm_state_size=16,
             mamba_head_dim=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
 """Fields every tiny config takes when its class knows them (names differ between architectures)."""
 
@@ -73,6 +73,12 @@ STATE_TYPES = {"linear_attention", "conv", "mamba", "hybrid", "mlp", "moe", "att
 FIELDS: dict[str, dict] = {
     "lfm2": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4),  # convolution and attention
     "zaya": dict(num_experts_per_tok=1),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2, num_hidden_layers=4),
+    "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1, 3]),
+    "falcon_h1": dict(mamba_d_ssm=128),  # mamba_n_heads x mamba_d_head
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4, num_dense_layers=1),
+    "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1),  # Mamba and attention layers, every kind twice
     "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                  ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
     "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=16,
@@ -174,6 +180,9 @@ def tiny_config(model_type: str):
         if isinstance(value, (list, tuple)) and value and settable(name):
             kinds = list(dict.fromkeys(value))
             fields[name] = kinds * 2 if set(kinds) & STATE_TYPES else (kinds * 2)[:max(2, len(kinds))]
+            for count in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+                if count in fields:
+                    fields[count] = len(fields[name])
     fields.update(FIELDS.get(model_type, {}))
     fields = {k: v for k, v in fields.items() if v is not None or k not in TINY}  # None: the class's default
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
@@ -267,7 +276,8 @@ def check_train(model: BituneModel) -> str | None:
     plain = model.weights.call("causal", input_ids=torch.cat([p, a], 1), attention_mask=torch.cat([pm, am], 1),
                                cache=cache, use_cache=True)
     objective = plain.logits.float().logsumexp(-1).mean()
-    keys = [layer.keys for layer in cache.layers]
+    keys = [getattr(layer, "keys", None) for layer in cache.layers]  # None: a layer without attention
+    keys = [k if isinstance(k, torch.Tensor) else torch.zeros(0) for k in keys]
     graphed = [k for k in keys if k.requires_grad]
     grads = dict(zip(map(id, graphed), torch.autograd.grad(objective, graphed, retain_graph=True, allow_unused=True)))
     used = torch.tensor([grads.get(id(k)) is not None and bool(grads[id(k)].abs().sum() > 0)
@@ -292,7 +302,18 @@ def check_train(model: BituneModel) -> str | None:
     grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in thetas])[:, used]
     if not (grads != 0).all():
         return f"{int((grads == 0).sum())} thetas get a zero gradient"
+    for i, kind in enumerate(model.layer_kinds.kinds):  # the state coefficients of every layer that keeps states
+        for _, c in kind.mix:
+            theta = getattr(model.mixer, f"theta_{c}")
+            if c in "sc" and (theta.grad is None or theta.grad[i] == 0):
+                return f"theta_{c} of layer {i} ({kind.name}) gets no gradient"
     return None
+
+
+def _zero_shares(model: BituneModel) -> None:
+    """Every mixing coefficient at share 0: the causal pass's keys, values and states."""
+    for theta in model.mixer.parameters():
+        theta.zero_()
 
 
 @torch.no_grad()
@@ -325,17 +346,17 @@ def check_correct(model_type: str, attn: str, dtype) -> str | None:
     for prompt_passes in ("sequential", "batched"):
         model.prompt_passes = prompt_passes
         before, after = model.prompt_caches(p, mask), model.prompt_caches(changed, mask)
-        for layer in range(model.num_layers):
+        attention = [i for i, k in enumerate(model.layer_kinds.kinds) if "keys" in k.sequence]
+        for layer in attention:  # a recurrent layer is causal by construction, checked through the attention above
             (kc, _), (kb, _) = (layer_kv(c, layer) for c in before)
             (kc2, _), (kb2, _) = (layer_kv(c, layer) for c in after)
             if (kc[..., 0, :] - kc2[..., 0, :]).abs().max() > atol:
                 return f"{prompt_passes}: the causal pass's first key in layer {layer} changes with a later token"
-            if layer > 0 and not (kb[..., 0, :] - kb2[..., 0, :]).abs().max() > 1e-6:
+            if layer > attention[0] and not (kb[..., 0, :] - kb2[..., 0, :]).abs().max() > 1e-6:
                 return f"{prompt_passes}: the bidirectional pass's first key in layer {layer} ignores a later token"
     model.prompt_passes = "auto"
     # share 0: each row's answer logits equal a plain causal forward
-    model.mixer.theta_k.zero_()
-    model.mixer.theta_v.zero_()
+    _zero_shares(model)
     logits = model(*tensors).logits
     for i in range(2):
         n = int(A[i].sum())
@@ -364,8 +385,7 @@ def check_generate(model_type: str, attn: str, dtype) -> str | None:
         for j in range(gen.shape[1]):
             if not _same_tokens(forced[i, j:j + 1].argmax(-1), gen[i, j:j + 1], forced[i, j:j + 1], atol):
                 return "greedy generation differs from the argmax of teacher forcing"
-    model.mixer.theta_k.zero_()
-    model.mixer.theta_v.zero_()
+    _zero_shares(model)
     gen = model.generate(p, pm, **kw)
     for i in range(2):
         single = _row((p, pm, p, pm), i)[0]
@@ -385,6 +405,41 @@ def check_generate(model_type: str, attn: str, dtype) -> str | None:
         if not _same_tokens(gen[i], plain[0], logits, atol):
             return f"the pretrained variant's greedy tokens differ from the base model's (row {i})"
     return None
+
+
+def check_states(model_type: str, attn: str, dtype) -> str | None:
+    """For a model whose layers keep per-row states (recurrent, conv): at share 0 the mixed cache holds the causal
+    pass's states exactly and the answer equals the causal model's; a left-padded row equals the same prompt alone
+    on every prompt path; every state coefficient gets a gradient. Nothing to check for attention-only models."""
+    model = wrapped(model_type, attn, dtype)
+    if not model.layer_kinds.stateful:
+        return None
+    tensors, atol = _batch(), ATOL[dtype]
+    with torch.no_grad():
+        for passes in ("batched", "sequential"):
+            model.prompt_passes = passes
+            logits = model(*tensors).logits
+            for i in range(2):
+                single = _row(tensors, i)
+                n = single[2].shape[1]
+                if err := _close(logits[i, :n], model(*single).logits[0], atol, f"{passes}: padded row {i} vs alone"):
+                    return err
+        model.prompt_passes = "auto"
+        _zero_shares(model)
+        p, pm = tensors[0][:, :-1], tensors[1][:, :-1]
+        causal = model.prompt_caches(p, pm)[0]
+        mixed = model.prefill(*tensors[:2]).cache
+        for i in range(model.num_layers):
+            for a, b in zip(mixed_tensors(mixed, i), mixed_tensors(causal, i)):
+                if not torch.equal(a, b):
+                    return f"share 0: layer {i}'s mixed state is not the causal pass's"
+    _perturb(model)
+    return check_train(model)
+
+
+def mixed_tensors(cache, layer: int) -> list[torch.Tensor]:
+    from bitune.cache import layer_tensors
+    return layer_tensors(cache, layer)
 
 
 @torch.no_grad()
@@ -412,8 +467,7 @@ def check_merge(model_type: str, attn: str, dtype, notes: list[str] | None = Non
 
 
 def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".splitlines()[0]
-    return text[:300]
+    return f"{type(e).__name__}: {e}".splitlines()[0]  # whole: the page shows the reason as it is
 
 
 MAX_PARAMETERS = 20_000_000
@@ -479,7 +533,8 @@ def run(model_type: str, dtype=torch.float32, attn: str | None = None, verbose: 
     result.checks["wrap"] = None
     steps = {"train": lambda: check_train(model), "correct": lambda: check_correct(model_type, attn, dtype),
              "generate": lambda: check_generate(model_type, attn, dtype),
-             "merge": lambda: check_merge(model_type, attn, dtype, notes)}
+             "merge": lambda: check_merge(model_type, attn, dtype, notes),
+             "states": lambda: check_states(model_type, attn, dtype)}
     for name, check in steps.items():
         try:
             with warnings.catch_warnings():
@@ -496,4 +551,4 @@ def run(model_type: str, dtype=torch.float32, attn: str | None = None, verbose: 
 
 
 __all__ = ["CHECKS", "Result", "attn_for", "causal_lm_types", "check_correct", "check_generate", "check_merge",
-           "check_train", "run", "scope", "tiny_config", "tiny_model", "transformers", "copy"]
+           "check_states", "check_train", "run", "scope", "tiny_config", "tiny_model", "transformers", "copy"]

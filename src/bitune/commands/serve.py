@@ -199,6 +199,9 @@ def compiled_batch(model, served, args: argparse.Namespace):
     from ..decoding import decode_compile_config
     from ..serve.slots import SlotBatch
 
+    if (why := model.layer_kinds.allows("compiled")) is not None:
+        raise BituneError(f"--compile: this model's decoding cannot run from the compiled slot cache ({why}); "
+                          "serve it without --compile")
     decode_compile_config(next(model.parameters()).device)  # a CPU without a C++ compiler fails here, in one line
     length = served.context if args.max_model_len else min(served.context or COMPILE_DEFAULT_LEN, COMPILE_DEFAULT_LEN)
     served.context = length

@@ -240,12 +240,31 @@ class BituneLM(TemplateLM):
         """Score every choice of the pending prefills' contexts in few packed answer passes; empties ``pending``."""
         prefill = Prefill.concat([p for p, _ in pending]) if len(pending) > 1 else pending[0][0]
         requests = [groups[ctx] for _, ctxs in pending for ctx in ctxs]
+        if self.model.layer_kinds.allows("packed") is not None:  # per-row states (bitune.kinds): no packing
+            self._score_rows(prefill, requests, conts, results)
+            pending.clear()
+            return
         for part in self._answer_passes(requests, conts, prefill.mask.shape[1]):
             scores = score_continuations(self.model.weights, self.model.text_config, prefill,
                                          [[conts[i] for i in ids] for ids in part])
             for i, score in zip((i for ids in part for i in ids), scores):
                 results[i] = score
         pending.clear()
+
+    UNPACKED_ROWS = 64
+    """Continuations per answer pass where they cannot be packed (each its own row on a copy of its prefill)."""
+
+    def _score_rows(self, prefill, requests: list[list[int]], conts: list[list[int]], results) -> None:
+        """Score every continuation as its own right-padded row on a copy of its context's prefill row: the answer
+        pass :meth:`~bitune.model.BituneModel.answer_logits` runs, for models whose layers keep per-row states that
+        a packed pass cannot flatten (:data:`bitune.kinds.PATHS`)."""
+        slots = [slot for slot, ids in enumerate(requests) for _ in ids]
+        order = [i for ids in requests for i in ids]
+        for a in range(0, len(order), self.UNPACKED_ROWS):
+            part = order[a:a + self.UNPACKED_ROWS]
+            rows = prefill.select(torch.tensor(slots[a:a + self.UNPACKED_ROWS], device=self.device))
+            ids, mask = self._right_pad([conts[i] for i in part])
+            self._collect(results, part, self.model.answer_logits(rows, ids, mask), ids, mask)
 
     def _answer_passes(self, requests: list[list[int]], conts: list[list[int]],
                        cached: int) -> list[list[list[int]]]:

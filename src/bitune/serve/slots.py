@@ -122,6 +122,8 @@ class SlotBatch:
 
     def __init__(self, model, slots: int, length: int, buckets: list[int] | None = None, compile: bool = True):
         config = model.text_config
+        if (why := model.layer_kinds.allows("compiled")) is not None:
+            raise ValueError(f"a slot batch holds keys and values only: {why}")
         if slots < 1 or length < 2:
             raise ValueError(f"a slot batch needs slots >= 1 and length >= 2 (got {slots}, {length})")
         buckets = sorted(set(buckets or default_buckets(slots)))
