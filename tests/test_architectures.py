@@ -171,3 +171,60 @@ def test_readme_and_site_quote_the_matrix_counts():
     index = " ".join((ROOT / "docs" / "index.md").read_text(encoding="utf-8").split())
     assert f"{passed} of {tested} " in readme
     assert f"{passed} of the {tested} " in index
+
+
+# ------------------------------------------------------------------------------------- a refusal is a starting point
+def test_a_refusal_leaves_the_callers_model_as_it_was_given_and_says_what_works_instead():
+    """GPT-Neo's passes are refused after the adapters were added: the model comes back with the same modules,
+    parameters, values and trainable flags, and the one-line error names the baseline and the page."""
+    from bitune import BituneConfig, BituneModel
+
+    base = A.tiny_model("gpt_neo", "eager")
+    modules = [name for name, _ in base.named_modules()]
+    before = {name: (p.requires_grad, p.detach().clone()) for name, p in base.named_parameters()}
+    with pytest.raises(UnsupportedModelError) as e:
+        BituneModel.wrap(base, BituneConfig())
+    message = str(e.value)
+    assert "\n" not in message and "methods/lora" in message and "supported-models" in message
+    assert [name for name, _ in base.named_modules()] == modules
+    after = dict(base.named_parameters())
+    assert set(after) == set(before)
+    assert all(after[n].requires_grad == flag and torch.equal(after[n], value) for n, (flag, value) in before.items())
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neo", "mamba"])
+def test_the_lora_baseline_trains_and_generates_on_models_bitune_refuses(model_type):
+    """Plain LoRA needs no prompt passes: GPT-Neo (a causal mask of its own) and Mamba (no attention) train, and
+    greedy generation equals PEFT's own."""
+    from bitune import BituneConfig, BituneModel
+
+    model = BituneModel.wrap(A.tiny_model(model_type, A.attn_for(model_type)), BituneConfig(variant="lora"))
+    p, pm, a, am = A._batch()
+    model.train()
+    out = model(p, pm, a, am)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and any(t.grad is not None and t.grad.abs().sum() > 0
+                                            for t in model.trainable_parameters().values())
+    model.eval()
+    with torch.no_grad():
+        row = p[1:]  # an unpadded prompt
+        got = model.generate(row, torch.ones_like(row), max_new_tokens=4, eos_token_id=None, pad_token_id=0)
+        want = model.weights.model.generate(input_ids=row, attention_mask=torch.ones_like(row), max_new_tokens=4,
+                                            do_sample=False, eos_token_id=None, pad_token_id=0)[:, row.shape[1]:]
+    assert torch.equal(got, want)
+
+
+def test_train_dry_run_runs_the_wrap_checks_of_the_real_run(tmp_path, capsys):
+    """--dry-run refuses what the run would refuse (Bitune on GPT-Neo) and passes what it would take (its LoRA
+    baseline), loading the model as the run does."""
+    from bitune.cli import main
+    from helpers.tokenizer import tiny_tokenizer
+
+    base = tmp_path / "gpt-neo"
+    A.tiny_model("gpt_neo", "eager").save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    argv = ["train", "--set", f"model={base}", "--set", f"output_dir={tmp_path / 'run'}", "--dry-run"]
+    assert main(argv) == 2
+    assert "not supported by Bitune" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main([*argv, "--set", "bitune.variant=lora"]) == 0
+    assert not (tmp_path / "run").exists()

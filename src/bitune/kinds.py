@@ -149,6 +149,9 @@ class Layers:
     kinds: list[LayerKind]
     types: list[str] | None = None
     by_type: dict[str, LayerKind] = field(default_factory=dict)
+    unknown: str | None = None
+    """Why the layers' kinds are unknown (a baseline that runs the model as it is, one causal pass with the model's
+    own masks, needs none of them); None when every layer's kind is known."""
 
     def __post_init__(self) -> None:
         if self.types is not None:

@@ -84,6 +84,10 @@ def pass_mask(
         (B, 1, T, T_past + T) mask, or ``{layer_type: mask}`` for models with sliding-window or recurrent layers.
     """
     check_implementation(attn_implementation)
+    if layers is not None and layers.unknown is not None:  # a baseline on layers of unknown kinds: the model's masks
+        if kind != "causal" or past_mask is not None:
+            raise ValueError(f"a {kind} pass needs every layer's kind ({layers.unknown})")
+        return attention_mask
 
     def build(window: int | None) -> torch.Tensor:
         ok = allowed(attention_mask, kind, window)  # (B, 1, T, T)

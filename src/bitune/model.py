@@ -42,7 +42,7 @@ from .mixer import Mixer
 from .modelcard import Training
 from .outputs import BituneOutput, answer_loss, token_logprobs
 from .passes import Prefill, continue_conversation, read_pass, read_passes_batched
-from .support import Support, check_model
+from .support import Support, UnsupportedModelError, check_model
 
 BATCHED_PREFILL_MAX_POSITIONS = 256
 """Prompt positions per pass (B x T) up to which ``prompt_passes="auto"`` reads both passes as one batched forward;
@@ -64,10 +64,22 @@ class BituneModel(nn.Module):
 
     def __init__(self, model: nn.Module, config: BituneConfig, prompt_passes: str = "auto"):
         super().__init__()
-        self.layer_kinds = check_model(model)
+        self.layer_kinds = check_model(model, passes=not config.single_pass)
         """The kind of every decoder layer (:mod:`bitune.kinds`): what it keeps, how its states mix, its paths."""
         self.config = config
         self.prompt_passes = prompt_passes
+        flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        try:
+            self._build(model, config)
+        except UnsupportedModelError:  # a refusal leaves the caller's model as it was given
+            if self.weights.peft:
+                self.weights.model.unload()  # PEFT's own removal of its layers (nothing merged)
+            for name, p in model.named_parameters():
+                p.requires_grad_(flags.get(name, p.requires_grad))
+            raise
+
+    def _build(self, model: nn.Module, config: BituneConfig) -> None:
+        """The weight sets, the mixer and the checks of :func:`bitune.probe.check_wrapped` (:meth:`__init__`)."""
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers

@@ -32,7 +32,7 @@ def check_wrapped(model) -> None:
     weights = "bidir" if "bidir" in model.config.weight_sets else "causal"
     base = model.weights.base
     device = next(base.parameters()).device
-    if device.type == "meta":  # shapes only (memory accounting): nothing can run, nothing is frozen
+    if device.type == "meta" or model.config.single_pass:  # shapes only; or no prompt passes: nothing to check
         return
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     mask = torch.ones(1, 2, dtype=torch.long, device=device)
@@ -42,8 +42,6 @@ def check_wrapped(model) -> None:
             if weights == "bidir":  # what reaches any cached tensor (the last attention layer's K/V reach all)
                 held = [t for i in range(model.num_layers) for t in kv.layer_tensors(cache, i)]
                 model.weights.freeze_unreached("bidir", sum(t.float().sum() for t in held))
-        if model.config.single_pass:
-            return  # no prompt passes: a plain causal forward
         with evaluating(model):
             _check_passes(model, device)
             _check_fast_paths(model, device)

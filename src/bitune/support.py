@@ -78,7 +78,14 @@ def _cause(model: nn.Module, found: str) -> str:
 
 def refuse(model: nn.Module, found: str) -> UnsupportedModelError:
     """The one-line refusal of ``model``: its class and type, what the check found and, if known, the cause."""
-    return UnsupportedModelError(f"{_name(model)} is not supported by Bitune: {_cause(model, found)}")
+    return UnsupportedModelError(f"{_name(model)} is not supported by Bitune: {_cause(model, found)}. "
+                                 f"{INSTEAD}")
+
+
+INSTEAD = ("What works instead: the baselines that need no prompt passes ('--config methods/lora', or "
+           "variant='lora'); models of a supported family are listed on the Supported models page "
+           "(docs/supported-models.md, with what to do if your model is refused)")
+"""The second half of every refusal: where a user goes from there."""
 
 
 @contextmanager
@@ -101,10 +108,15 @@ def _probe_ids(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(min(3, vocab - 1), vocab, (1, n), generator=g).to(device)
 
 
-def check_model(model: nn.Module) -> Layers | None:
+def check_model(model: nn.Module, passes: bool = True) -> Layers:
     """Refuse ``model`` (before adapters are added) if it is not a decoder-only transformers causal LM whose every
     decoder layer is of a kind Bitune implements (:mod:`bitune.kinds`: what it keeps in a transformers cache and
     its layer type decide), or if it builds ALiBi biases.
+
+    Args:
+        passes: whether the model will read prompts in Bitune's prompt passes; the baselines (one causal pass, the
+            model's own masks) need no layer kind and run on any model PEFT runs on: for them a model whose layers
+            are of no implemented kind is accepted, its kinds unknown (:attr:`bitune.kinds.Layers.unknown`).
 
     Returns:
         The kind of every decoder layer (on the meta device, where nothing can run: attention layers).
@@ -121,6 +133,8 @@ def check_model(model: nn.Module) -> Layers | None:
     layers = getattr(text, "num_hidden_layers", None)
     if not layers:
         raise UnsupportedModelError(f"{_name(model)}: config has no num_hidden_layers; unsupported architecture")
+    if not passes:
+        return _kinds_or_unknown(model, text)
     alibi = (getattr(text, "alibi", False) is True or getattr(getattr(text, "attn_config", None), "alibi", False)
              or getattr(text, "model_type", None) == "bloom")
     if alibi:
@@ -139,6 +153,19 @@ def check_model(model: nn.Module) -> Layers | None:
     if kinds is None:
         raise refuse(model, why)
     return kinds
+
+
+def _kinds_or_unknown(model: nn.Module, text) -> Layers:
+    """For a baseline: the layers' kinds where they are known, else layers of unknown kinds (with the reason)."""
+    try:
+        cache = DynamicCache(config=text)
+        ids = _probe_ids(model, 3)
+        with evaluating(model):
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True, logits_to_keep=1)
+        kinds, why = layer_kinds(cache, text)
+    except Exception as e:  # noqa: BLE001 - the baseline runs the model's own forward; the kinds stay unknown
+        kinds, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return kinds if kinds is not None else Layers([], None, unknown=why)
 
 
 def passes_obey_masks(first_keys, ids: torch.Tensor, vocab: int) -> str | None:

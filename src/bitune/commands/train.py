@@ -82,8 +82,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="shard parameters, gradients and optimizer state over the processes (FSDP2) instead of "
                              "replicating them (DDP); the same as --set fsdp=true")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the settings (and that output_dir can be written), print them resolved and "
-                             "exit without training")
+                        help="validate the settings (and that output_dir can be written), load the model and run "
+                             "wrap's checks on it as the run would, print the settings resolved and exit without "
+                             "training")
     add_threads_option(parser)
 
 
@@ -94,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(settings.output_dir, "output_dir")
     if args.dry_run:  # refused as the run would refuse it (the run checks again, under its lock)
         check_run_folder(Path(settings.output_dir), settings, args.resume, args.overwrite)
+        from ..hub import load_model
+        from ..model import BituneModel
+
+        BituneModel.wrap(load_model(settings.model)[0], settings.bitune)  # the model: wrap's checks, as the run's
         print(settings.to_yaml(), end="")
         return 0
     if args.num_processes < 1:
@@ -102,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         check_fsdp_processes(max(args.num_processes, world_size()))
     if args.num_processes > 1:
         return launch(args.num_processes, train_argv(args))
-    from ..train.recipe import train  # torch: here, so that help and --dry-run stay light
+    from ..train.recipe import train  # torch: here, so that help stays light
 
     train(settings, resume=args.resume, overwrite=args.overwrite)  # takes the run folder first (start_run)
     return 0
