@@ -641,7 +641,8 @@ def test_a_setting_under_its_older_name_is_named_as_written(tmp_path, capsys):
     """`gradient_checkpointing: maybe` gave an error about `recompute`, a key the file never names."""
     config = tmp_path / "run.yaml"
     config.write_text("gradient_checkpointing: maybe\n")
-    assert main(["train", "--config", str(config), "--dry-run"]) == 2
+    with pytest.warns(DeprecationWarning, match="gradient_checkpointing is now called recompute"):
+        assert main(["train", "--config", str(config), "--dry-run"]) == 2
     line = one_error_line(capsys, "train")
     assert "gradient_checkpointing='maybe'" in line and not line.split("error: ")[1].startswith("recompute"), line
 
