@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, Gemma2Config, GPTNeoConfig
+from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import VERBS, main
@@ -32,9 +32,8 @@ EAGER_ONLY = {  # model types that implement no sdpa attention: transformers' ow
     "gemma2": lambda: Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
                                    eos_token_id=1, bos_token_id=2),
-    "gpt_neo": lambda: GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                                    attention_types=[[["global", "local"], 1]], max_position_embeddings=128,
-                                    pad_token_id=0, eos_token_id=1, bos_token_id=2),
+    "bloom": lambda: BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0, eos_token_id=1,
+                                 bos_token_id=2),
 }
 
 
@@ -57,12 +56,12 @@ def test_an_eager_only_model_the_page_lists_as_pass_runs_from_the_cli(eager_only
 
 
 def test_an_eager_only_refused_model_shows_its_real_reason(eager_only, tmp_path, capsys):
-    """gpt_neo is refused by Bitune's wrap checks: that reason, not a loading error, is what the user reads."""
+    """bloom (ALiBi) is refused by Bitune's wrap checks: that reason, not a loading error, is what the user reads."""
     out = tmp_path / "run"
-    assert main(["train", "--set", f"model={eager_only / 'gpt_neo'}", "--set", "steps=1", "--set", "max_length=64",
+    assert main(["train", "--set", f"model={eager_only / 'bloom'}", "--set", "steps=1", "--set", "max_length=64",
                  "--set", f"output_dir={out}"]) == 2
     line = one_error_line(capsys, "train")
-    assert "GPTNeoForCausalLM (gpt_neo) is not supported by Bitune" in line, line
+    assert "BloomForCausalLM (bloom) is not supported by Bitune: ALiBi" in line, line
     assert not out.exists()
 
 
