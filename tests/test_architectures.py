@@ -56,7 +56,6 @@ def test_representative_architectures_pass_every_check(model_type):
 
 
 @pytest.mark.parametrize(("model_type", "reason"), [
-    ("gpt_neo", "does not see later tokens"),  # a causal mask of its own
     ("mpt", "ALiBi"),
     ("rwkv", "recurrent model without attention"),  # recurrent, its own cache
     ("mamba", "no layer can read later tokens"),  # recurrent: no attention layer, so no bidirectional pass
@@ -79,8 +78,9 @@ def test_the_correctness_check_fails_when_a_wrong_fast_path_is_kept(monkeypatch)
 
 
 def test_the_correctness_check_fails_when_the_bidirectional_pass_is_causal(monkeypatch):
-    """GPT-Neo's own causal mask makes the bidirectional pass causal; with wrap's check made blind, the matrix's
-    check finds it."""
+    """GPT-Neo's own causal mask (its buffers left closed) makes the bidirectional pass causal; with wrap's check
+    made blind, the matrix's check finds it."""
+    monkeypatch.setattr("bitune.model.open_own_masks", lambda model: (lambda: None))
     monkeypatch.setattr("bitune.probe.passes_obey_masks", lambda *args: None)
     problem = A.check_correct("gpt_neo", "eager", torch.float32)
     assert problem is not None
@@ -103,10 +103,10 @@ def test_the_merge_check_fails_when_expert_weights_are_not_merged_for_the_bidire
 
 
 # ------------------------------------------------------------------------------- hybrids: layers that keep states
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h", "lfm2", "gpt_neo"])
 def test_hybrid_architectures_pass_every_check(model_type):
     """Qwen3.5 (Gated DeltaNet + attention), Nemotron-H (Mamba2 + attention + MLP-only layers), LFM2 (convolutions
-    + attention): every check of the matrix, the state checks included (share 0 keeps the causal pass's states
+    + attention), GPT-Neo (global and local layers whose own masks wrap opens): every check of the matrix, the state checks included (share 0 keeps the causal pass's states
     exactly, a padded row equals its prompt alone, every state coefficient learns)."""
     result = A.run(model_type)
     assert result.status == "pass", result.checks or result.reason
@@ -174,12 +174,15 @@ def test_readme_and_site_quote_the_matrix_counts():
 
 
 # ------------------------------------------------------------------------------------- a refusal is a starting point
-def test_a_refusal_leaves_the_callers_model_as_it_was_given_and_says_what_works_instead():
-    """GPT-Neo's passes are refused after the adapters were added: the model comes back with the same modules,
-    parameters, values and trainable flags, and the one-line error names the baseline and the page."""
+def test_a_refusal_leaves_the_callers_model_as_it_was_given_and_says_what_works_instead(monkeypatch):
+    """A model whose attention keeps a causal mask of its own (GPT-Neo with its buffers left closed) is refused
+    after the adapters were added: it comes back with the same modules, parameters, values, buffers and trainable
+    flags, and the one-line error names the baseline and the page."""
     from bitune import BituneConfig, BituneModel
 
+    monkeypatch.setattr("bitune.model.open_own_masks", lambda model: (lambda: None))  # buffers left closed
     base = A.tiny_model("gpt_neo", "eager")
+    buffers = {name: b.clone() for name, b in base.named_buffers()}
     modules = [name for name, _ in base.named_modules()]
     before = {name: (p.requires_grad, p.detach().clone()) for name, p in base.named_parameters()}
     with pytest.raises(UnsupportedModelError) as e:
@@ -190,6 +193,23 @@ def test_a_refusal_leaves_the_callers_model_as_it_was_given_and_says_what_works_
     after = dict(base.named_parameters())
     assert set(after) == set(before)
     assert all(after[n].requires_grad == flag and torch.equal(after[n], value) for n, (flag, value) in before.items())
+    assert all(torch.equal(b, buffers[name]) for name, b in base.named_buffers())
+
+
+def test_a_refusal_puts_back_the_masks_wrap_opened(monkeypatch):
+    """GPT-Neo's buffers are opened at wrap; a refusal after that (here: a probe that refuses) closes them again."""
+    from bitune import BituneConfig, BituneModel
+    from bitune.support import refuse
+
+    def refusing(model):
+        raise refuse(model.weights.base, "refused for the test")
+
+    monkeypatch.setattr("bitune.probe.check_wrapped", refusing)
+    base = A.tiny_model("gpt_neo", "eager")
+    buffers = {name: b.clone() for name, b in base.named_buffers()}
+    with pytest.raises(UnsupportedModelError):
+        BituneModel.wrap(base, BituneConfig())
+    assert all(torch.equal(b, buffers[name]) for name, b in base.named_buffers())
 
 
 @pytest.mark.parametrize("model_type", ["gpt_neo", "mamba"])
@@ -215,13 +235,13 @@ def test_the_lora_baseline_trains_and_generates_on_models_bitune_refuses(model_t
 
 
 def test_train_dry_run_runs_the_wrap_checks_of_the_real_run(tmp_path, capsys):
-    """--dry-run refuses what the run would refuse (Bitune on GPT-Neo) and passes what it would take (its LoRA
-    baseline), loading the model as the run does."""
+    """--dry-run refuses what the run would refuse (Bitune on Mamba, which has no attention layer) and passes what
+    it would take (its LoRA baseline), loading the model as the run does."""
     from bitune.cli import main
     from helpers.tokenizer import tiny_tokenizer
 
-    base = tmp_path / "gpt-neo"
-    A.tiny_model("gpt_neo", "eager").save_pretrained(base)
+    base = tmp_path / "mamba"
+    A.tiny_model("mamba", "eager").save_pretrained(base)
     tiny_tokenizer().save_pretrained(base)
     argv = ["train", "--set", f"model={base}", "--set", f"output_dir={tmp_path / 'run'}", "--dry-run"]
     assert main(argv) == 2

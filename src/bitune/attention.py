@@ -28,6 +28,37 @@ IMPLEMENTATIONS = ("eager", "sdpa")
 """The model attention implementations Bitune's 4D masks are built and tested for."""
 
 
+# ------------------------------------------------------------------------------------------ a model's own masks
+def open_own_masks(model: nn.Module) -> Callable[[], None]:
+    """Open the causal masks a model's attention applies on its own, so that the masks the prompt passes hand it
+    decide: GPT-Neo ANDs every attention with a registered boolean ``bias`` buffer (global layers: lower
+    triangular; local layers: the last ``window_size`` positions). Global buffers become all True, local ones the
+    symmetric band |i - j| < window_size; the model's own causal mask still makes its own forwards (the answer pass,
+    decoding) causal. Returns the function that puts the original buffers back.
+
+    Args:
+        model: a transformers model (changed in place).
+    """
+    kept = []
+    for module in model.modules():
+        bias = getattr(module, "bias", None)
+        kind = getattr(module, "attention_type", None)
+        if kind not in ("global", "local") or not isinstance(bias, torch.Tensor) or bias.dtype != torch.bool:
+            continue
+        n = bias.shape[-1]
+        i = torch.arange(n, device=bias.device)
+        opened = torch.ones_like(bias) if kind == "global" else (
+            (i[:, None] - i[None, :]).abs() < module.config.window_size).view(bias.shape)  # (1, 1, n, n)
+        kept.append((module, bias))
+        module.bias = opened
+
+    def restore() -> None:
+        for module, bias in kept:
+            module.bias = bias
+
+    return restore
+
+
 # --------------------------------------------------------------------------------------------------- mask formats
 def check_implementation(name: str) -> None:
     """Refuse attention implementations other than eager and sdpa (the 4D masks are tested with those)."""

@@ -73,9 +73,17 @@ _STATE = ("its state is one per row, not one per position")
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
     LayerKind("full_attention", "attention over every earlier (causal pass) or every (bidirectional pass) prompt "
               "token; keys and values mixed (the paper, eq. 6-7). MLA layers cache their keys and values alike.",
-              types=("full_attention",)),
+              types=("full_attention", "global")),
     LayerKind("sliding_attention", "attention within a window of ``sliding_window`` tokens, on both sides in the "
               "bidirectional pass; keys and values mixed", window="sliding_window", types=("sliding_attention",)),
+    LayerKind("local_attention", "attention within the last ``window_size`` tokens that the model applies with a "
+              "boolean buffer of its own (GPT-Neo's local layers; its global layers are full attention with one "
+              "too): the buffers are opened at wrap, the local one to the symmetric window |i - j| < window_size, so "
+              "the pass's mask decides the direction (bitune.attention.open_own_masks); keys and values mixed",
+              types=("local",),
+              off=(("fused", "its window is a buffer over the forward's positions, which the fused sequence lays "
+                             "out as two passes and an answer"),
+                   ("packed", "its window is a buffer over the forward's positions, which packing reorders"))),
     LayerKind("recurrent", "a linear-attention or SSM layer (Gated DeltaNet, Mamba2, KDA, ...) with a short causal "
               "convolution: its own causal scan in both passes, each pass with its own adapters, on the 2D padding "
               "mask; the decoding cache holds a learnt convex mix of the two passes' final states, "
@@ -126,6 +134,7 @@ CACHE_LAYERS: dict[str, str] = {
 
 LAYER_TYPES: dict[str, str] = {
     "conv": "conv",
+    "local": "local_attention",
     "chunked_attention": "chunked_attention",
     "indexed_attention": "indexed_attention",
 }
@@ -188,7 +197,7 @@ class Layers:
 
 def model_layer_types(text_config) -> list[str] | None:
     """The model's own type of each decoder layer (what its forward keys a mask dict by), or None."""
-    for name in ("layer_types", "layers_block_type"):
+    for name in ("layer_types", "layers_block_type", "attention_layers"):
         types = getattr(text_config, name, None)
         if isinstance(types, (list, tuple)) and len(types) == text_config.num_hidden_layers:
             return [str(t) for t in types]

@@ -32,6 +32,7 @@ from torch import nn
 from . import cache as kv
 from . import checkpoint, decoding, probe, recompute
 from .adapters import WeightSets
+from .attention import open_own_masks
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
@@ -69,6 +70,7 @@ class BituneModel(nn.Module):
         self.config = config
         self.prompt_passes = prompt_passes
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        restore = open_own_masks(model) if not config.single_pass else (lambda: None)
         try:
             self._build(model, config)
         except UnsupportedModelError:  # a refusal leaves the caller's model as it was given
@@ -76,6 +78,7 @@ class BituneModel(nn.Module):
                 self.weights.model.unload()  # PEFT's own removal of its layers (nothing merged)
             for name, p in model.named_parameters():
                 p.requires_grad_(flags.get(name, p.requires_grad))
+            restore()
             raise
 
     def _build(self, model: nn.Module, config: BituneConfig) -> None:
