@@ -44,7 +44,7 @@ STEPS, BATCH_SIZE, LR, EVAL_EXAMPLES = 80, 4, 3e-3, 300
 """The defaults, chosen on ARC-Easy's validation split (never the test questions the table reports), seed 42:
 LoRA r8 after 60 / 80 / 100 steps x 4 at lr 3e-3 scored +8.3 / +13.3 / +14.3 points over the pretrained model's
 29.7% on its first 300 questions, 100 steps at the paper's 1e-3 +8.3, and Bitune r8 after 80 / 100 steps at 3e-3
-+7.7 / +11.3 (its clipping over all trainable parameters slows its adapters at first). 80 steps is the longest of these that,
++7.7 / +11.3 (clipping over all trainable parameters may slow its adapters at first). 80 steps is the longest of these that,
 with 300 test questions scored three times, fits 10 minutes on 2 quiet cores with a margin: the whole default run
 took 645 s of CPU at one thread; 100 steps would add about 110 s."""
 
