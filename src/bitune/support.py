@@ -36,7 +36,6 @@ class UnsupportedModelError(BituneError):
 KNOWN_CAUSES: dict[str, str] = {
     **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases built from the sequence length, not from "
                     "position_ids"),
-    "gpt_neo": "its attention applies a causal mask of its own (a registered 'bias' buffer)",
     "llama4_text": "chunked attention layers (local chunks of 8192 tokens by default)",
     "gemma3n_text": "its last layers reuse earlier layers' keys and values (KV sharing)",
     **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
@@ -152,7 +151,34 @@ def check_model(model: nn.Module, passes: bool = True) -> Layers:
     kinds, why = layer_kinds(cache, text)
     if kinds is None:
         raise refuse(model, why)
+    if kinds.stateful and (problem := _continues_from_states(model, text)) is not None:
+        raise refuse(model, problem)
     return kinds
+
+
+def _continues_from_states(model: nn.Module, text) -> str | None:
+    """Why the model's recurrent layers cannot continue a forward of several tokens from the states a cache holds
+    (Mamba-1 layers scan a multi-token input from a zero state: the answer pass would not read the mixed state), or
+    None: the states after reading 6 tokens in two forwards must equal those after one."""
+    ids = _probe_ids(model, 6, seed=1)
+    caches = []
+    with evaluating(model):
+        for cut in (6, 4):
+            cache = DynamicCache(config=text)
+            model(input_ids=ids[:, :cut], attention_mask=torch.ones_like(ids[:, :cut]), cache=cache, use_cache=True)
+            if cut < 6:
+                model(input_ids=ids[:, cut:], attention_mask=torch.ones_like(ids), cache=cache, use_cache=True,
+                      position_ids=torch.arange(cut, 6, device=ids.device)[None])
+            caches.append(cache)
+    for i, (a, b) in enumerate(zip(*(c.layers for c in caches))):
+        for name in ("recurrent_states", "conv_states"):
+            for j, x in (getattr(a, name, None) or {}).items():
+                y = getattr(b, name)[j]
+                if x is not None and (x.float() - y.float()).abs().max().item() > 1e-4 * (x.float().abs().max().item() + 1):
+                    return (f"its recurrent layers do not continue a forward of several tokens from the states a "
+                            f"cache holds (layer {i}'s {name} after 4 + 2 tokens differ from after 6: the answer "
+                            "pass would not read the mixed state)")
+    return None
 
 
 def _kinds_or_unknown(model: nn.Module, text) -> Layers:

@@ -63,6 +63,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
             qk_head_dim=16, sliding_window=64, attention_window_size=64, rotary_dim=8,
             # linear-attention and SSM layers: few and small heads and states
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_heads=4, linear_head_dim=16,
             mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, ssm_state_size=16,
             mamba_head_dim=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
 """Fields every tiny config takes when its class knows them (names differ between architectures)."""
@@ -302,10 +303,15 @@ def check_train(model: BituneModel) -> str | None:
     grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in thetas])[:, used]
     if not (grads != 0).all():
         return f"{int((grads == 0).sum())} thetas get a zero gradient"
-    for i, kind in enumerate(model.layer_kinds.kinds):  # the state coefficients of every layer that keeps states
-        for _, c in kind.mix:
+    with torch.no_grad():  # the states the two passes leave (equal where no adapter and no attention tells them apart)
+        causal, bidir = model.prompt_caches(tensors[0][:, :-1], tensors[1][:, :-1])
+    for i, kind in enumerate(model.layer_kinds.kinds):  # the state coefficients of every layer whose states differ
+        for name, c in kind.mix:
             theta = getattr(model.mixer, f"theta_{c}")
-            if c in "sc" and (theta.grad is None or theta.grad[i] == 0):
+            differ = any(not torch.equal(a, b) for a, b in zip(getattr(causal.layers[i], name, {}).values(),
+                                                                  getattr(bidir.layers[i], name, {}).values())
+                         if a is not None) if c in "sc" else False
+            if differ and (theta.grad is None or theta.grad[i] == 0):
                 return f"theta_{c} of layer {i} ({kind.name}) gets no gradient"
     return None
 
