@@ -88,7 +88,7 @@ def _check_fast_paths(model, device) -> None:
         if model.weights.can_route(names) and len(names) == 2:
             problem = _disagrees(logits, "batched", plain)
             if problem:
-                model.weights.route_ok, model.support.routed = False, False
+                model.weights.route_ok = False
                 model.support.note = f"the prompt passes batched as one forward {problem}"
         if model.support.fused and model.weights.can_route(names + ["causal"]):
             problem = _disagrees(logits, "fused", plain)

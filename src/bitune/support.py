@@ -47,19 +47,17 @@ KNOWN_CAUSES: dict[str, str] = {
 
 @dataclass
 class Support:
-    """What :func:`fast_paths` found on a wrapped model.
+    """What wrap found a wrapped model's paths can do (:mod:`bitune.probe`, :mod:`bitune.kinds`).
 
     Attributes:
-        fused: the fused forward (one forward for all passes) computes what the passes one by one compute.
-        routed: LoRA weight sets can be routed per row or position within one forward (the batched and fused
-            paths); off when a layer sees its tokens in a layout routing cannot follow.
-        note: why a path is off ("" when both are on).
+        fused: the fused forward (one forward for all passes) is allowed by the layers' kinds and computes what
+            the passes one by one compute.
+        merge: merging the causal set gives the unmerged logits (checked by :meth:`bitune.model.BituneModel.merge`).
+        note: why a path is off ("" when every path is on).
     """
 
     fused: bool = True
-    routed: bool = True
     merge: bool = True
-    """merging the causal set gives the unmerged logits (checked by :meth:`bitune.model.BituneModel.merge`)."""
     note: str = ""
 
 
