@@ -248,3 +248,26 @@ def test_train_dry_run_runs_the_wrap_checks_of_the_real_run(tmp_path, capsys):
     assert "not supported by Bitune" in capsys.readouterr().err.strip().splitlines()[-1]
     assert main([*argv, "--set", "bitune.variant=lora"]) == 0
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2"])
+def test_recompute_on_a_hybrid_keeps_loss_and_gradients(model_type):
+    """Bitune's activation checkpointing replays each layer in the backward pass; on recurrent and conv layers the
+    replay must read the states the first run found and write none (no conv state appended twice): loss and every
+    gradient equal the run without it."""
+    results = []
+    for recompute in (False, True):
+        model = A.wrapped(model_type, "sdpa")
+        if recompute:
+            model.enable_recompute()
+        model.train()
+        out = model(*A._batch())
+        out.loss.backward()
+        results.append((out.loss.detach(), {k: p.grad.clone() for k, p in model.trainable_parameters().items()
+                                             if p.grad is not None}))
+    (loss, grads), (loss_r, grads_r) = results
+    torch.testing.assert_close(loss_r, loss, atol=1e-6, rtol=0)
+    assert grads.keys() == grads_r.keys() and any(k.startswith("mixer:theta_s") or k.startswith("mixer:theta_c")
+                                                  for k in grads)
+    for k in grads:
+        torch.testing.assert_close(grads_r[k], grads[k], atol=1e-5, rtol=1e-4)

@@ -137,17 +137,18 @@ class Replay:
                                        ("conv_states", "recurrent_states", "has_previous_state")}
         return self._states[layer_idx]
 
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+    def _state(self, name: str, layer_idx: int, state_idx: int):
+        """The layer's ``name`` state: the cache's on the first run, the one the first run found on the replay."""
         before = self._before(layer_idx)
         if not self.replaying:
-            return self._cache.get_conv_state(layer_idx, state_idx)
-        return before["conv_states"].get(state_idx) if before["has_previous_state"].get(state_idx) else None
+            return getattr(self._cache, f"get_{name[:-1]}")(layer_idx, state_idx)  # get_conv_state, ...
+        return before[name].get(state_idx) if before["has_previous_state"].get(state_idx) else None
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self._state("conv_states", layer_idx, state_idx)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
-        before = self._before(layer_idx)
-        if not self.replaying:
-            return self._cache.get_recurrent_state(layer_idx, state_idx)
-        return before["recurrent_states"].get(state_idx) if before["has_previous_state"].get(state_idx) else None
+        return self._state("recurrent_states", layer_idx, state_idx)
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         if layer_idx is None or not self.replaying:
