@@ -52,11 +52,85 @@ def open_own_masks(model: nn.Module) -> Callable[[], None]:
         kept.append((module, bias))
         module.bias = opened
 
+    undo = symmetric_alibi(model)
+
     def restore() -> None:
         for module, bias in kept:
             module.bias = bias
+        undo()
 
     return restore
+
+
+ALIBI_BUILDERS = ("build_alibi_tensor", "build_mpt_alibi_tensor")
+"""The methods by which a model builds its ALiBi biases (Bloom, MPT), replaced by :func:`symmetric_alibi`."""
+
+
+def symmetric_alibi(model: nn.Module) -> Callable[[], None]:
+    """Make a model's ALiBi bias symmetric, ``-m_h |i - j|``, in forwards given a 4D mask (the prompt passes).
+
+    Bloom and MPT add ``m_h x key position`` to every score, which equals ``-m_h (i - j)`` up to a constant per query
+    row only where keys j <= i are read: a bidirectional pass would favour later tokens. In a forward given a 4D
+    mask, the replaced builder returns the symmetric bias over that forward's queries (the last Q of its K keys),
+    built per forward (no buffer at the model's maximum length); under a causal mask it is the model's own up to
+    float rounding. Forwards given the 2D mask (the answer pass, decoding, the baselines) keep the model's bias. The
+    slopes are the model's own (read from its builder). Index differences are position differences because the
+    real tokens of a prompt pass's row are contiguous (left padding).
+
+    Args:
+        model: a transformers model (its modules changed in place).
+
+    Returns:
+        The function that puts the original builders back.
+    """
+    kept = []
+    for module in model.modules():
+        name = next((n for n in ALIBI_BUILDERS if n in type(module).__dict__), None)
+        if name is None:
+            continue
+        own = getattr(module, name)
+        shape: dict[str, tuple[int, int]] = {}  # the 4D mask's (Q, K) of the forward that runs
+
+        def note(module, args, kwargs, shape=shape):
+            mask = kwargs.get("attention_mask")
+            shape.pop("qk", None)
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+                shape["qk"] = tuple(mask.shape[-2:])
+
+        def build(*args, own=own, name=name, shape=shape, **kwargs):
+            if "qk" not in shape:
+                return own(*args, **kwargs)
+            return _symmetric(own, name, shape["qk"], *args, **kwargs)
+
+        hook = module.register_forward_pre_hook(note, with_kwargs=True)
+        setattr(module, name, build)
+        kept.append((module, name, hook))
+
+    def restore() -> None:
+        for module, name, hook in kept:
+            hook.remove()
+            delattr(module, name)  # the class's method again
+
+    return restore
+
+
+def _symmetric(own: Callable, name: str, qk: tuple[int, int], *args, **kwargs) -> torch.Tensor:
+    """The symmetric ALiBi bias in the shape the model's own builder ``own`` returns (its slopes read from it)."""
+    Q, K = qk
+    if name == "build_alibi_tensor":  # Bloom: (attention_mask (B, K), heads, dtype) -> (B * heads, 1, K)
+        mask, heads, dtype = args[0], args[1], args[2] if len(args) > 2 else kwargs["dtype"]
+        slopes = own(torch.ones(1, 2, device=mask.device, dtype=torch.long), heads, torch.float32)[:, 0, 1]  # (H,)
+        batch, device = mask.shape[0], mask.device
+    else:  # MPT: (heads, max_seq_len, ...) -> (heads, 1, max_seq_len) = slopes x (1 - L .. 0)
+        heads, device = args[0], kwargs.get("device", args[3] if len(args) > 3 else None)
+        slopes = -own(heads, 2, *args[2:], **kwargs)[:, 0, 0].float()  # (H,)
+        batch, dtype = None, torch.float32
+    i = torch.arange(K - Q, K, device=device)[:, None]  # (Q, 1): the queries are the last Q keys
+    j = torch.arange(K, device=device)[None, :]  # (1, K)
+    bias = -slopes.to(device)[:, None, None] * (i - j).abs()  # (H, Q, K)
+    if batch is None:
+        return bias.to(dtype)  # MPT adds (H, Q, K) to (B, H, Q, K)
+    return bias.repeat(batch, 1, 1).to(dtype)  # Bloom: (B * H, Q, K), the shape baddbmm takes
 
 
 # --------------------------------------------------------------------------------------------------- mask formats
@@ -195,5 +269,5 @@ def grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 AttentionInterface.register(GROUPED, grouped_attention)
 
 
-__all__ = ["GROUPED", "grouped_attention", "IMPLEMENTATIONS", "attention_implementation", "block_attention", "check_implementation",
+__all__ = ["ALIBI_BUILDERS", "symmetric_alibi", "GROUPED", "grouped_attention", "IMPLEMENTATIONS", "attention_implementation", "block_attention", "check_implementation",
            "inner_attention", "mask_format", "running"]

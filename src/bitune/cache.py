@@ -1,7 +1,7 @@
 """Reading and building caches: the one place that touches transformers' Cache internals.
 
 What a layer keeps is its kind's (:mod:`bitune.kinds`): per-position tensors (attention keys and values, (B, h, T,
-d)) and per-row states (a recurrent layer's ``recurrent_states`` and ``conv_states``, ``{state index: (B, ...)}``).
+d); an indexer's keys, (B, T, d)) and per-row states (a recurrent layer's ``recurrent_states`` and ``conv_states``, ``{state index: (B, ...)}``).
 Every operation here works on both as the kind says: rows are selected, split and concatenated in both; only
 per-position tensors are padded, flattened or dropped along T.
 
@@ -93,6 +93,11 @@ class PromptCache(DynamicCache):
         self._wrote(layer_idx, "kv")
         return out
 
+    def update_indexer(self, indexer_key_states, layer_idx, *args, **kwargs):
+        out = super().update_indexer(indexer_key_states, layer_idx, *args, **kwargs)
+        self._wrote(layer_idx, "indexer")
+        return out
+
     def update_conv_state(self, conv_states, layer_idx, *args, **kwargs):
         out = super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
         self._wrote(layer_idx, "conv")
@@ -123,6 +128,7 @@ class Replay:
         self._cache = cache
         self._first: dict[int, tuple] = {}
         self._states: dict[int, dict] = {}  # a recurrent layer's states before the first run wrote them
+        self._indexer: dict[int, torch.Tensor | None] = {}  # an indexed layer's indexer keys before the first run
         self._stops: set[tuple[str, int]] = set()  # the state writes after which the first run's pass stopped
         self.replaying = False  # set by the recomputation (bitune.recompute) before it runs the layer again
 
@@ -185,6 +191,16 @@ class Replay:
         self._before(layer_idx)
         return self._write(("recurrent", layer_idx), lambda: self._cache.update_recurrent_state(
             recurrent_states, layer_idx, state_idx=state_idx, **kwargs), lambda: recurrent_states)
+
+    def update_indexer(self, indexer_key_states, layer_idx: int, *args, **kwargs):
+        if not self.replaying:
+            layer = self._cache.layers[layer_idx]
+            held = getattr(layer, "indexer_keys", None)
+            self._indexer[layer_idx] = held if held is not None and held.numel() else None
+        before = self._indexer.get(layer_idx)
+        return self._write(("indexer", layer_idx), lambda: self._cache.update_indexer(
+            indexer_key_states, layer_idx, *args, **kwargs), lambda: indexer_key_states if before is None else
+            torch.cat([before, indexer_key_states], dim=-2))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx not in self._first:
@@ -326,6 +342,8 @@ def flatten_rows(cache, rows: torch.Tensor):
     out = _copy(cache)
 
     def flat(_layer, _name, x):
+        if x.dim() == 3:  # an indexer's keys (B, T, d)
+            return x.index_select(0, rows.to(x.device)).reshape(1, -1, x.shape[-1])  # (1, R*T, d)
         x = x.transpose(0, 1).index_select(1, rows.to(x.device))  # (h, R, T, d)
         return x.reshape(1, x.shape[0], -1, x.shape[3])  # (1, h, R*T, d): a view, one copy in all
 
@@ -344,11 +362,11 @@ def concat_rows(caches: list):
     for i, layer in enumerate(out.layers):
         kind = _kind(layer)
         for name in kind.sequence:
-            parts = [getattr(c.layers[i], name) for c in caches]  # (B_j, h, T_j, d)
+            parts = [getattr(c.layers[i], name) for c in caches]  # (B_j, h, T_j, d) or (B_j, T_j, d)
             if parts[0] is None:
                 continue
-            T = max(x.shape[2] for x in parts)
-            setattr(layer, name, torch.cat([F.pad(x, (0, 0, T - x.shape[2], 0)) for x in parts]))
+            T = max(x.shape[-2] for x in parts)
+            setattr(layer, name, torch.cat([F.pad(x, (0, 0, T - x.shape[-2], 0)) for x in parts]))
         for name in kind.states:
             held = getattr(layer, name)
             for j in held:

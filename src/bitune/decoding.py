@@ -33,6 +33,29 @@ def decode_compile_config(device: torch.device) -> CompileConfig:
     return config
 
 
+def generate_options(device: torch.device, compile: bool, return_state: bool, stop_strings: list[str] | None,
+                     tokenizer, no_static: str | None) -> dict:
+    """What :meth:`bitune.model.BituneModel.generate` adds to transformers' ``generate`` keyword arguments: the
+    compile config with ``compile`` (:func:`decode_compile_config`), the stop strings with their tokenizer.
+
+    Args:
+        no_static: why the model cannot decode from a static cache (its layers' kinds), or None.
+
+    Raises:
+        ValueError: ``stop_strings`` without ``tokenizer``; ``compile`` with ``return_state``, or where ``no_static``.
+        BituneError: ``compile`` on a CPU without a C++ compiler.
+    """
+    if stop_strings and tokenizer is None:
+        raise ValueError("generate(stop_strings=...) needs tokenizer=")
+    if compile and return_state:
+        raise ValueError("generate(compile=True) decodes into a static cache and returns no conversation state; "
+                         "drop return_state or compile")
+    if compile and no_static is not None:
+        raise ValueError(f"generate(compile=True) decodes from a static cache, which this model cannot use ({no_static})")
+    options = {"compile_config": decode_compile_config(device)} if compile else {}
+    return options | ({"stop_strings": stop_strings, "tokenizer": tokenizer} if stop_strings else {})
+
+
 def room(text_config, prompt_mask: torch.Tensor, past: Prefill | None, requested: int) -> int:
     """New tokens that fit after the (B, P) prompts (with ``past``, after the conversation and its last token):
     ``requested``, capped so that no row passes the model's positions (:func:`bitune.inputs.context_room`).
@@ -68,9 +91,12 @@ def decode(base: nn.Module, text_config, pre: Prefill, max_new_tokens: int, do_s
     input_ids = torch.cat([pre.ids, pre.last_token], dim=1)  # (B, T+1); all but the last are cached
     attention_mask = torch.cat([pre.mask, torch.ones_like(pre.last_token)], dim=1)  # (B, T+1)
     cache = pre.cache
+    generate_kwargs.pop("use_cache", None)
     if compile:
         cache = kv.static_copy(cache, text_config, input_ids.shape[1] + max_new_tokens)
-    out = base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+    # use_cache: decoding reads the given cache; a config that defaults it off (MPT) would make generate re-feed
+    # every token after the first step on top of that cache
+    out = base.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
                         max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)  # (B, T+1+N)
     new = out[:, input_ids.shape[1]:]  # (B, N)
     state = Prefill(pre.cache, out[:, :-1], torch.cat([attention_mask, torch.ones_like(new[:, :-1])], dim=1),
@@ -102,4 +128,4 @@ def decode_step(weights: WeightSets, state: Prefill, pick: Callable[[torch.Tenso
     return Prefill(state.cache, torch.cat([state.ids, state.last_token], dim=1), mask, token)
 
 
-__all__ = ["decode_compile_config", "room", "decode", "decode_step"]
+__all__ = ["decode_compile_config", "generate_options", "room", "decode", "decode_step"]

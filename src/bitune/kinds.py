@@ -44,6 +44,8 @@ class LayerKind:
     """``"attention"`` (the pass's 4D mask), ``"padding"`` (the 2D padding mask) or ``"none"``."""
     window: str | None = None
     """The config field holding the layer's attention window (keys further than it are blocked), or None."""
+    chunk: str | None = None
+    """The config field holding the layer's chunk size (a query reads keys of its own chunk only), or None."""
     sequence: tuple[str, ...] = ("keys", "values")
     states: tuple[str, ...] = ()
     mix: tuple[tuple[str, str], ...] = (("keys", "k"), ("values", "v"))
@@ -57,9 +59,10 @@ class LayerKind:
 
     @property
     def writes(self) -> frozenset[str]:
-        """What a forward of this layer writes into the cache: ``"kv"``, ``"conv"``, ``"recurrent"`` (a prompt pass
+        """What a forward of this layer writes into the cache: ``"kv"``, ``"indexer"``, ``"conv"``, ``"recurrent"`` (a prompt pass
         may stop once its last writing layer has written all of them)."""
-        names = {"keys": "kv", "values": "kv", "conv_states": "conv", "recurrent_states": "recurrent"}
+        names = {"keys": "kv", "values": "kv", "indexer_keys": "indexer", "conv_states": "conv",
+                 "recurrent_states": "recurrent"}
         return frozenset(names[t] for t in (*self.sequence, *self.states))
 
     def allows(self, path: str) -> bool:
@@ -69,6 +72,9 @@ class LayerKind:
 
 _SCAN = ("a scan runs once over its rows' tokens: one forward cannot hold two passes' scans side by side in one row")
 _STATE = ("its state is one per row, not one per position")
+_CHUNKS = "its chunks are counted on the real tokens of one prompt pass per row, which this path lays out otherwise"
+_BIAS = ("its bias is built from one prompt pass's positions per row (the queries are the last of the keys), "
+         "which this path lays out otherwise")
 
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
     LayerKind("full_attention", "attention over every earlier (causal pass) or every (bidirectional pass) prompt "
@@ -108,13 +114,31 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
     LayerKind("stateless", "an MLP or MoE block without attention or state (Nemotron-H): nothing cached, nothing "
               "mixed; it sees later tokens through the attention layers below it",
               mask="none", sequence=(), mix=(), types=("mlp", "moe")),
-    LayerKind("chunked_attention", "attention within fixed chunks of positions (Llama 4)",
-              window="attention_chunk_size", types=("chunked_attention",),
-              refused="chunked attention layers (Llama 4): the passes' masks for chunks are not implemented yet"),
-    LayerKind("indexed_attention", "attention over the keys a learnt indexer selects (DeepSeek-V3.2's DSA)",
-              types=("indexed_attention",),
-              refused="indexed attention layers (DeepSeek-V3.2 DSA): the indexer's keys and its selection in a "
-                      "bidirectional pass are not implemented yet"),
+    LayerKind("chunked_attention", "attention within fixed chunks of ``attention_chunk_size`` positions (Llama 4): "
+              "chunk = position // chunk size, positions counting real tokens; within its chunk a query reads the "
+              "earlier (causal pass) or every (bidirectional pass) prompt token; keys and values mixed",
+              chunk="attention_chunk_size", types=("chunked_attention",),
+              off=(("fused", _CHUNKS), ("packed", _CHUNKS), ("compiled", _CHUNKS),
+                   ("extend", "a later prompt's chunks continue the conversation's positions, which its passes' "
+                              "masks do not count"))),
+    LayerKind("alibi_attention", "full attention with ALiBi position biases (Bloom, MPT): in the prompt passes the "
+              "bias is the symmetric -m_h |i - j|, built per forward by the model's own builder replaced at wrap "
+              "(bitune.attention.symmetric_alibi); under the causal mask it is the model's own; keys and values mixed",
+              off=(("fused", _BIAS), ("packed", _BIAS), ("compiled", _BIAS),
+                   ("extend", "a later prompt's bias would have to count the conversation's positions"))),
+    LayerKind("indexed_attention", "attention over the prompt keys a learnt indexer selects (DeepSeek-V3.2's and "
+              "GLM-5's DSA): the indexer scores keys under the layer's mask before its top-k, so in the bidirectional "
+              "pass it selects among all prompt keys; its keys (``indexer_keys``, (B, T, d)) are mixed with a_k, the "
+              "keys' coefficient: they are keys too, and the answer's indexer then ranks the same mixed prompt its "
+              "attention reads (taking the causal pass's alone would rank a prompt the attention does not read); keys "
+              "and values mixed", sequence=("keys", "values", "indexer_keys"), types=("indexed_attention",),
+              mix=(("keys", "k"), ("values", "v"), ("indexer_keys", "k")),
+              off=(("fused", "the fused forward's cache keeps no indexer keys"),
+                   ("compiled", "the slot cache keeps no indexer keys"))),
+    LayerKind("relative_attention", "attention with learnt relative-position logits and short convolutions on its "
+              "keys and values (Inkling)", types=("hybrid_sliding",),
+              refused="its relative-position logits are learnt for backward distances only (zero for later tokens), "
+                      "so a bidirectional pass would read later tokens without position information: not defined yet"),
     LayerKind("shared_kv", "a layer that reuses an earlier layer's keys and values (Gemma 3n's KV sharing)",
               mask="attention", sequence=(), mix=(),
               refused="its last layers reuse earlier layers' keys and values (KV sharing): which pass's keys a "
@@ -137,9 +161,14 @@ LAYER_TYPES: dict[str, str] = {
     "local": "local_attention",
     "chunked_attention": "chunked_attention",
     "indexed_attention": "indexed_attention",
+    "hybrid_sliding": "relative_attention",
 }
 """``config.layer_types`` entries that decide the kind whatever cache layer they use (chunked layers use a
 sliding-window cache layer)."""
+
+BIASED: dict[str, str] = {"bloom": "alibi_attention", "mpt": "alibi_attention",
+                          **dict.fromkeys(("inkling_text", "inkling2_text", "inkling2_loop_text"), "relative_attention")}
+"""Model types whose attention layers add a position bias of their own: the kind they are instead."""
 
 SCANS_FROM_ZERO: dict[str, str] = {
     "zamba": "its Mamba layers scan a forward of several tokens from a zero state (the cached recurrent state is "
@@ -229,6 +258,9 @@ def layer_kinds(cache, text_config) -> tuple[Layers | None, str | None]:
     implemented kind covers."""
     types = model_layer_types(text_config)
     held = list(getattr(cache, "layers", []))
+    if len(held) > text_config.num_hidden_layers:
+        return None, (f"its cache holds {len(held)} layers for {text_config.num_hidden_layers} decoder layers (a "
+                      "layout of its own, such as copies per recurrence loop)")
     kinds = []
     for i in range(text_config.num_hidden_layers):
         layer = held[i] if i < len(held) else None
@@ -237,6 +269,8 @@ def layer_kinds(cache, text_config) -> tuple[Layers | None, str | None]:
             what = type(layer).__name__ if layer is not None else "nothing"
             typed = f" (layer type {types[i]!r})" if types else ""
             return None, f"decoder layer {i}{typed} keeps {what} in the cache, which no layer kind covers"
+        if "keys" in kind.sequence and getattr(text_config, "model_type", None) in BIASED:
+            kind = KINDS[BIASED[text_config.model_type]]
         if kind.refused:
             return None, f"decoder layer {i} is a {kind.name} layer: {kind.refused}"
         kinds.append(kind)
@@ -247,5 +281,5 @@ def layer_kinds(cache, text_config) -> tuple[Layers | None, str | None]:
     return Layers(kinds, types), None
 
 
-__all__ = ["CACHE_LAYERS", "KINDS", "SCANS_FROM_ZERO", "LAYER_TYPES", "LayerKind", "Layers", "PATHS", "kind_of", "layer_kinds",
+__all__ = ["BIASED", "CACHE_LAYERS", "KINDS", "SCANS_FROM_ZERO", "LAYER_TYPES", "LayerKind", "Layers", "PATHS", "kind_of", "layer_kinds",
            "model_layer_types"]

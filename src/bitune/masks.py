@@ -34,13 +34,15 @@ def position_ids(attention_mask: torch.Tensor, offset: torch.Tensor | None = Non
     return pos.clamp(min=0) * attention_mask.long()
 
 
-def allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torch.Tensor:
+def allowed(attention_mask: torch.Tensor, kind: str, window: int | None, chunk: int | None = None) -> torch.Tensor:
     """(B, 1, T, T) boolean: query row j may attend to key column i, for a pass of mask ``kind``.
 
     Args:
         attention_mask: (B, T) 1 for real tokens.
         kind: one of ``PASS_MASKS``.
         window: sliding-window size (keys further than this are blocked), or None.
+        chunk: chunk size (a query reads the keys of its own chunk only, chunk = position // chunk, positions
+            counting real tokens: :func:`position_ids`), or None.
     """
     if kind not in PASS_MASKS:
         raise ValueError(f"unknown attention kind {kind!r}; allowed: {PASS_MASKS}")
@@ -59,6 +61,9 @@ def allowed(attention_mask: torch.Tensor, kind: str, window: int | None) -> torc
     if window is not None:
         shape = shape & (dist < window)  # (T, T)
     keys = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+    if chunk is not None:
+        block = position_ids(attention_mask) // chunk  # (B, T)
+        keys = keys & (block[:, None, :, None] == block[:, None, None, :])  # (B, 1, T, T)
     eye = torch.eye(T, dtype=torch.bool, device=attention_mask.device)
     return (shape[None, None] & keys) | eye  # (B, 1, T, T)
 
@@ -89,8 +94,10 @@ def pass_mask(
             raise ValueError(f"a {kind} pass needs every layer's kind ({layers.unknown})")
         return attention_mask
 
-    def build(window: int | None) -> torch.Tensor:
-        ok = allowed(attention_mask, kind, window)  # (B, 1, T, T)
+    def build(window: int | None, chunk: int | None = None) -> torch.Tensor:
+        if chunk is not None and past_mask is not None:
+            raise ValueError("a prompt pass on top of a cache cannot count chunked layers' chunks")
+        ok = allowed(attention_mask, kind, window, chunk)  # (B, 1, T, T)
         if past_mask is not None:
             past = past_mask.bool()[:, None, None, :].expand(-1, 1, ok.shape[2], -1)  # (B, 1, T, T_past)
             ok = torch.cat([past, ok], dim=-1)  # (B, 1, T, T_past + T)
@@ -99,20 +106,28 @@ def pass_mask(
     return per_layer_type(build, config, layers, attention_mask)
 
 
+PLAIN = {"full_attention", "sliding_attention", "local_attention", "alibi_attention"}
+"""Kinds of attention layers that read one 4D mask, or the per-type dict of sliding and full layers that every
+model with sliding layers takes (GPT-Neo's local layers window themselves; ALiBi models have no layer types)."""
+
+
 def per_layer_type(build, config, layers: Layers | None = None,
                    padding: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
-    """``build(window)`` once, or once per layer type for models with sliding-window layers; for a model whose
-    layers take other forms of mask (:attr:`bitune.kinds.LayerKind.mask`), ``{layer type: its form}``, the
-    padding form being ``padding`` ((B, T) 1 for real tokens) and ``"none"`` None."""
-    if layers is not None and layers.types and any(k.mask != "attention" or k.masks for k in layers.kinds):
-        def form(mask: str, window: str | None):
-            if mask == "attention":
-                return build(getattr(config, window, None) if window else None)
-            return padding if mask == "padding" else None
+    """``build(window)`` once, or once per layer type for models with sliding-window layers; for a model with
+    layers of other kinds than :data:`PLAIN` (given its ``layers``), ``{layer type: its form}``
+    (:attr:`bitune.kinds.LayerKind.mask`): ``build(window)``, a chunked layer's ``build(window, chunk=size)``, the
+    padding form ``padding`` ((B, T) 1 for real tokens), ``"none"`` None."""
+    if layers is not None and layers.types and not layers.names <= PLAIN:
+        def form(kind):
+            if kind.mask != "attention":
+                return padding if kind.mask == "padding" else None
+            window = getattr(config, kind.window, None) if kind.window else None
+            return build(window, chunk=getattr(config, kind.chunk)) if kind.chunk else build(window)
 
-        out = {t: form(k.mask, k.window) for t, k in layers.by_type.items()}
+        out = {t: form(k) for t, k in layers.by_type.items()}
         for k in layers.kinds:
-            out.update({key: form(mask, None) for key, mask in k.masks})
+            out.update({key: padding if mask == "padding" else None if mask == "none" else build(None)
+                        for key, mask in k.masks})
         return out
     layer_types = set(getattr(config, "layer_types", None) or ())
     if "sliding_attention" in layer_types:

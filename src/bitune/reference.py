@@ -6,7 +6,7 @@ For left-padded prompts x_1..x_P and right-padded answers y_1..y_A (eos included
    weights, the bidirectional pass with the bidir weights (the ablations change a mask or a weight set:
    ``BituneConfig.passes``).
 2. Per layer, the keys and values are mixed (eq. 6-7): ``K = K_causal (1 - a_k) + K_bidir a_k``, ``V`` likewise,
-   with ``a = |theta| / (theta_init + |theta|)``, in float32. In a hybrid model, a recurrent or conv layer runs
+   with ``a = |theta| / (theta_init + |theta|)``, in float32; an indexed layer's indexer keys (DSA) with ``a_k``. In a hybrid model, a recurrent or conv layer runs
    its own causal scan in both passes (on the 2D padding mask) and its final states are mixed the same way with
    their own coefficients: ``S = S_causal (1 - a_s) + S_bidir a_s``, the conv state with ``a_c``.
 3. One causal forward with the causal weights reads x_P, y_1..y_{A-1} on top of the mixed cache, positions
@@ -58,8 +58,8 @@ def reference_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     if model.mixer is not None:  # step 2
         thetas = dict(model.mixer.named_parameters())
         for layer, (c, b) in enumerate(zip(caches[0].layers, caches[1].layers)):
-            for name, theta in (("keys", "theta_k"), ("values", "theta_v")):
-                if isinstance(getattr(c, name, None), torch.Tensor):  # (B, nh, T, hs)
+            for name, theta in (("keys", "theta_k"), ("values", "theta_v"), ("indexer_keys", "theta_k")):
+                if isinstance(getattr(c, name, None), torch.Tensor):  # (B, nh, T, hs); an indexer's (B, T, d)
                     a = _ratio(thetas[theta][layer], config.theta_init)
                     setattr(c, name, (getattr(c, name).float() * (1 - a) + getattr(b, name).float() * a).to(
                         getattr(c, name).dtype))
@@ -89,29 +89,45 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 def _pass_mask(mask: torch.Tensor, kind: str, text, impl: str, dtype: torch.dtype):
     """The 4D mask of one prompt pass (eq. 4-5), True/0 where query row q may read key column k: ``causal`` k <= q,
     ``bidirectional`` every k, ``anti_causal`` k >= q; within the sliding window |q - k| < window on sliding
-    layers; never a padding key, and always itself (no empty softmax row on a padding query). Boolean for sdpa,
-    additive for eager; ``{layer type: mask}`` for models with sliding and full layers."""
+    layers; within the query's chunk (real-token position // chunk size) on chunked layers (Llama 4); never a
+    padding key, and always itself (no empty softmax row on a padding query). Boolean for sdpa, additive for eager;
+    ``{layer type: mask}`` for models with several layer types. ALiBi models (Bloom, MPT) are given these masks
+    too: wrap made their bias symmetric (:func:`bitune.attention.symmetric_alibi`), which this module does not
+    re-derive."""
     T = mask.shape[1]
     q = torch.arange(T, device=mask.device)[:, None]  # (T, 1)
     k = torch.arange(T, device=mask.device)[None, :]  # (1, T)
     shape = {"causal": k <= q, "bidirectional": k >= 0, "anti_causal": k >= q}[kind]  # (T, T)
 
-    def build(window):
+    def build(window, chunk=None):
         ok = shape if window is None else shape & ((q - k).abs() < window)  # (T, T)
-        ok = (ok & mask.bool()[:, None, None, :]) | (q == k)  # (B, 1, T, T)
+        ok = ok & mask.bool()[:, None, None, :]  # (B, 1, T, T)
+        if chunk is not None:  # chunked layers: the query's chunk of real-token positions only
+            block = _positions(mask) // chunk  # (B, T)
+            ok = ok & (block[:, None, :, None] == block[:, None, None, :])
+        ok = ok | (q == k)
         return ok if impl == "sdpa" else torch.where(ok, 0.0, torch.finfo(dtype).min).to(dtype)
 
     types = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
     types, window = set(types), getattr(text, "sliding_window", None)
-    if types & (SCANNED | UNMASKED | {"hybrid"}):  # a hybrid: recurrent and conv layers read the 2D padding mask
-        out = {t: mask if t in SCANNED else None if t in UNMASKED else build(window if t == "sliding_attention" else None)
-               for t in types}
-        if "hybrid" in types:  # attention and an SSM side by side (Falcon-H1) read both
-            out.update(full_attention=build(None), linear_attention=mask)
-        return out
-    if "sliding_attention" in types:
-        return {"full_attention": build(None), "sliding_attention": build(window)}
-    return build(window if not types else None)
+    if types <= {"full_attention", "sliding_attention"}:  # the masks every attention model takes
+        if "sliding_attention" in types:
+            return {"full_attention": build(None), "sliding_attention": build(window)}
+        return build(window if not types else None)  # sliding everywhere: Mistral
+
+    def form(t):
+        if t in SCANNED:  # recurrent and conv layers read the 2D padding mask
+            return mask
+        if t in UNMASKED:
+            return None
+        if t == "chunked_attention":  # Llama 4
+            return build(None, text.attention_chunk_size)
+        return build(window if t == "sliding_attention" else None)
+
+    out = {t: form(t) for t in types}
+    if "hybrid" in types:  # attention and an SSM side by side (Falcon-H1) read both
+        out.update(full_attention=build(None), linear_attention=mask)
+    return out
 
 
 SCANNED = {"linear_attention", "conv", "mamba"}

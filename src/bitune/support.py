@@ -34,9 +34,7 @@ class UnsupportedModelError(BituneError):
 
 
 KNOWN_CAUSES: dict[str, str] = {
-    **dict.fromkeys(("bloom", "mpt"), "ALiBi position biases built from the sequence length, not from "
-                    "position_ids"),
-    "llama4_text": "chunked attention layers (local chunks of 8192 tokens by default)",
+    "falcon": "ALiBi position biases built by a module function (alibi=True), which wrap cannot make symmetric",
     "gemma3n_text": "its last layers reuse earlier layers' keys and values (KV sharing)",
     **dict.fromkeys(("rwkv", "mamba", "mamba2", "falcon_mamba", "xlstm"), "a recurrent model without attention"),
     **dict.fromkeys(("recurrent_gemma", "minimax"), "a hybrid whose cache is its own class, not transformers' "
@@ -108,7 +106,8 @@ def _probe_ids(model: nn.Module, n: int, seed: int = 0) -> torch.Tensor:
 def check_model(model: nn.Module, passes: bool = True) -> Layers:
     """Refuse ``model`` (before adapters are added) if it is not a decoder-only transformers causal LM whose every
     decoder layer is of a kind Bitune implements (:mod:`bitune.kinds`: what it keeps in a transformers cache and
-    its layer type decide), or if it builds ALiBi biases.
+    its layer type decide), or if it builds ALiBi biases wrap cannot make symmetric (Falcon with ``alibi=True``;
+    Bloom's and MPT's are: :func:`bitune.attention.symmetric_alibi`).
 
     Args:
         passes: whether the model will read prompts in Bitune's prompt passes; the baselines (one causal pass, the
@@ -132,9 +131,7 @@ def check_model(model: nn.Module, passes: bool = True) -> Layers:
         raise UnsupportedModelError(f"{_name(model)}: config has no num_hidden_layers; unsupported architecture")
     if not passes:
         return _kinds_or_unknown(model, text)
-    alibi = (getattr(text, "alibi", False) is True or getattr(getattr(text, "attn_config", None), "alibi", False)
-             or getattr(text, "model_type", None) == "bloom")
-    if alibi:
+    if getattr(text, "alibi", False) is True:  # Falcon's option; Bloom and MPT are alibi_attention layers
         raise refuse(model, "ALiBi attention biases")
     if next(model.parameters()).device.type == "meta":  # shapes only (memory accounting): nothing can run
         return Layers([KINDS["full_attention"]] * layers)

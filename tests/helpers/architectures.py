@@ -91,6 +91,7 @@ FIELDS: dict[str, dict] = {
         per_layer_config={"01": {"head_dim": 32}}, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
         num_experts=None)),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=3),  # a window the prompts exceed
+    "llama4_text": dict(attention_chunk_size=4),  # chunks the prompts cross (the probe's 4 tokens fit in one)
     "xglm": dict(vocab_size=VOCAB),
     "reformer": dict(axial_pos_shape=[8, 16]),
     "mamba2": dict(num_heads=8, n_groups=1, state_size=16, chunk_size=16),  # heads x head_dim = hidden x expand
@@ -372,10 +373,12 @@ def check_correct(model_type: str, attn: str, dtype) -> str | None:
         n = single[2].shape[1]
         if err := _close(got["fused"][i, :n], model(*single).logits[0], atol, f"padded row {i} vs the row alone"):
             return err
-    # the bidirectional pass sees a later token in every layer, the causal one does not
+    # the bidirectional pass sees a later token in every layer, the causal one does not (a later token of the first
+    # position's chunk, in a model with chunked layers)
     p = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
     changed = p.clone()
-    changed[0, -1] = (changed[0, -1] + 1 - 3) % (VOCAB - 3) + 3
+    at = min(p.shape[1], getattr(model.text_config, "attention_chunk_size", None) or p.shape[1]) - 1
+    changed[0, at] = (changed[0, at] + 1 - 3) % (VOCAB - 3) + 3
     mask = torch.ones_like(p)
     for prompt_passes in ("sequential", "batched"):
         model.prompt_passes = prompt_passes
