@@ -338,13 +338,18 @@ class WeightSets(nn.Module):
         plain.generation_config = self.base.generation_config
         return plain
 
-    def freeze_unreached(self, name: str, output: torch.Tensor) -> None:
-        """Freeze the parameters of weight set ``name`` that no gradient of ``output`` (a scalar) reaches."""
-        params = self.parameters_of(name)
+    def unreached(self, name: str, output: torch.Tensor) -> list[str]:
+        """The parameters of weight set ``name`` (:meth:`parameters_of` names) that train but that no gradient of
+        ``output`` (a scalar) reaches."""
+        params = {key: p for key, p in self.parameters_of(name).items() if p.requires_grad}
         grads = torch.autograd.grad(output, list(params.values()), allow_unused=True)
-        for p, g in zip(params.values(), grads):
-            if g is None:
-                p.requires_grad_(False)
+        return [key for key, g in zip(params, grads) if g is None]
+
+    def freeze(self, name: str, keys: list[str]) -> None:
+        """Stop training these parameters of weight set ``name`` (:meth:`parameters_of` names, e.g. :meth:`unreached`)."""
+        params = self.parameters_of(name)
+        for key in keys:
+            params[key].requires_grad_(False)
 
     def parameters_of(self, name: str) -> dict[str, nn.Parameter]:
         """Trainable parameters of one weight set, by name (empty if the set does not exist)."""

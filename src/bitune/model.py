@@ -23,8 +23,10 @@ and loss in :mod:`bitune.outputs`, recompute in :mod:`bitune.recompute`, the mer
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -82,20 +84,36 @@ class BituneModel(nn.Module):
             raise
 
     def _build(self, model: nn.Module, config: BituneConfig) -> None:
-        """The weight sets, the mixer and the checks of :func:`bitune.probe.check_wrapped` (:meth:`__init__`)."""
+        """The weight sets, the mixer and the paths that wrap's checks leave on (:meth:`__init__`)."""
         self.weights = WeightSets(model, config)
         self.text_config = model.config.get_text_config()
         self.num_layers = self.text_config.num_hidden_layers
         states = tuple(c for c in ("s", "c") if c in self.layer_kinds.mixes and config.mixes_states)
         self.mixer = (Mixer(self.num_layers, config.theta_init, config.init_share, states) if config.mixes
                       else None)
-        self.support = Support()
-        """Which fast paths compute the plain path's numbers on this model (:mod:`bitune.support`)."""
         off = self.layer_kinds.allows("fused")  # a kind of layer that rules the fused forward out (no warning)
-        self.support.fused = off is None
-        probe.check_wrapped(self)
+        self.support = Support(fused=off is None)
+        """Which fast paths compute the plain path's numbers on this model (:mod:`bitune.support`)."""
+        self._take_findings(probe.check_wrapped(self))
         if off is not None:
             self.support.note = "; ".join(filter(None, [self.support.note, f"the fused forward is off: {off}"]))
+
+    def _take_findings(self, found: probe.Findings) -> None:
+        """Freeze the bidir weights no gradient reaches and switch off the fast paths that disagree with the passes
+        read one by one (:func:`bitune.probe.check_wrapped` found them), saying why in a logged warning."""
+        self.weights.freeze("bidir", found.unreached)
+        names, note = [w for w, _ in self.config.passes], ""
+        if problem := found.problems.get("batched"):
+            self.weights.route_ok = False  # no routing of weight sets by row or position on this model
+            note = f"the prompt passes batched as one forward {problem}"
+        if (problem := found.problems.get("fused")) and self.weights.can_route(names + ["causal"]):
+            self.support.fused = False
+            note = f"the fused forward {problem}"
+        if note:
+            with self.using("batched"):
+                note += "; it runs the prompt passes " + ("batched" if self.prefill_path() == "batched" else "one by one")
+            logging.getLogger("bitune").warning("%s: %s", type(self.weights.base).__name__, note)
+            self.support.note = note
 
     @classmethod
     def wrap(cls, model: nn.Module, config: BituneConfig | None = None, prompt_passes: str = "auto",
@@ -133,6 +151,17 @@ class BituneModel(nn.Module):
         if not isinstance(value, str) or value not in PROMPT_PASSES:
             raise ValueError(f"prompt_passes={value!r} is not one of {list(PROMPT_PASSES)}")
         self._prompt_passes = value
+
+    @contextmanager
+    def using(self, prompt_passes: str) -> Iterator[BituneModel]:
+        """Run with ``prompt_passes`` (one of ``PROMPT_PASSES``) within this block, then put back the choice made
+        before: how wrap's checks run each path they compare (:mod:`bitune.probe`)."""
+        before = self.prompt_passes
+        self.prompt_passes = prompt_passes
+        try:
+            yield self
+        finally:
+            self.prompt_passes = before
 
     def forward_path(self) -> str:
         """The first decision ``prompt_passes`` makes: how :meth:`forward` (prompt passes and answer pass:
@@ -198,8 +227,16 @@ class BituneModel(nn.Module):
         The merge checks itself on a tiny padded batch: where the merged weights do not give the unmerged logits
         (PEFT's merge of some fused expert layouts is inexact: LongCat-Flash), it is undone and the model stays
         unmerged, at the unmerged model's speed and with its numbers, and says so (``support.note``, a logged
-        warning; :func:`bitune.probe.checked_merge`)."""
-        probe.checked_merge(self, bidir_copy)
+        warning; :func:`bitune.probe.moved`)."""
+        checked = not self.merged and self.weights.peft and next(self.parameters()).device.type != "meta"
+        before = probe.probe_logits(self) if checked else None
+        self.weights.merge(bidir_copy)
+        if before is not None and (by := probe.moved(probe.probe_logits(self), before)) is not None:
+            self.weights.unmerge()
+            self.support.merge = False
+            self.support.note = (f"merge() declined: PEFT's merge of this model's adapted layers moves its logits by "
+                                 f"{by:.2g}; it runs unmerged")
+            logging.getLogger("bitune").warning("%s: %s", type(self.weights.base).__name__, self.support.note)
         return self
 
     def unmerge(self) -> BituneModel:
@@ -384,20 +421,11 @@ class BituneModel(nn.Module):
                 another number of rows, or is as long as the window of a model with sliding-window layers.
             BituneError: a prompt (with ``past``, the conversation) fills the model's positions already.
         """
-        if stop_strings and tokenizer is None:
-            raise ValueError("generate(stop_strings=...) needs tokenizer=")
-        if compile and return_state:
-            raise ValueError("generate(compile=True) decodes into a static cache and returns no conversation state; "
-                             "drop return_state or compile")
-        if compile and (why := self.layer_kinds.allows("compiled")) is not None:
-            raise ValueError(f"generate(compile=True) decodes from a static cache, which this model cannot use ({why})")
-        if compile:
-            generate_kwargs["compile_config"] = decoding.decode_compile_config(prompt_ids.device)
+        generate_kwargs.update(decoding.generate_options(prompt_ids.device, compile, return_state, stop_strings, tokenizer,
+                                                         self.layer_kinds.allows("compiled")))
         check_prompt(prompt_ids, prompt_mask)
         max_new_tokens = decoding.room(self.text_config, prompt_mask, past, max_new_tokens)
         pre = self.prefill(prompt_ids, prompt_mask, past)
-        if stop_strings:
-            generate_kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
         new, state = decoding.decode(self.weights.base, self.text_config, pre, max_new_tokens, do_sample, compile,
                                      **generate_kwargs)
         return (new, state) if return_state else new

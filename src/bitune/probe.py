@@ -1,14 +1,17 @@
-"""The checks a :class:`~bitune.model.BituneModel` runs on itself: once when it is wrapped
-(:func:`check_wrapped`: the prompt passes obey their masks, and which fast paths compute what the passes read one
-by one compute) and when it is merged (:func:`checked_merge`). What they decide is stored in ``model.support``
+"""The checks a :class:`~bitune.model.BituneModel` runs on itself; they measure and report, the model decides.
+
+When it is wrapped (:func:`check_wrapped`): whether the prompt passes obey their masks (a model whose passes do
+not is refused), which bidir weights no gradient reaches, and which fast paths disagree with the passes read one by
+one (:class:`Findings`). When it is merged: the logits on a tiny padded batch before and after
+(:func:`probe_logits`, :func:`moved`). The model turns what they find into its paths and notes
 (:class:`bitune.support.Support`); the rules on the plain model, before adapters exist, are
 :func:`bitune.support.check_model`'s.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,21 +22,34 @@ from .passes import read_pass
 from .support import UnsupportedModelError, agree, evaluating, passes_obey_masks, refuse
 
 
-def check_wrapped(model) -> None:
-    """Tiny prompt passes that check the model and prepare it (:mod:`bitune.support`): they freeze the bidir
-    weights that cannot get a gradient (only the prompt passes' keys and values reach the answer, so in the
+@dataclass
+class Findings:
+    """What :func:`check_wrapped` found on a wrapped model (nothing, where it cannot run: meta device, no passes)."""
+
+    unreached: list[str] = field(default_factory=list)
+    """The bidir parameters (:meth:`bitune.adapters.WeightSets.parameters_of` names) no gradient reaches."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """A fast path (``"batched"``, ``"fused"``) -> what is wrong with it against the passes read one by one; a
+    path that agrees, or that was not checked, is absent."""
+
+
+def check_wrapped(model) -> Findings:
+    """Tiny prompt passes over a wrapped model: refuse it if its prompt passes do not obey their masks, find the
+    bidir weights that cannot get a gradient (only the prompt passes' keys and values reach the answer, so in the
     last layer everything after K/V (q, o, MLP) is unused by the bidir weights, found by one backward from the
-    last layer's K/V), refuse a model whose prompt passes do not obey their masks, and switch off a fast path
-    (per-row or per-position routing, the fused forward) that does not compute the plain path's numbers.
+    last layer's K/V), and find the fast paths this model would take (per-row or per-position routing, the fused
+    forward) that do not compute the plain path's numbers. Changes nothing of the model.
 
     Raises:
-        UnsupportedModelError: the bidirectional pass does not see later tokens, or the causal one does.
+        UnsupportedModelError: the bidirectional pass does not see later tokens, or the causal one does, or a
+            prompt pass fails.
     """
     weights = "bidir" if "bidir" in model.config.weight_sets else "causal"
     base = model.weights.base
     device = next(base.parameters()).device
+    found = Findings()
     if device.type == "meta" or model.config.single_pass:  # shapes only; or no prompt passes: nothing to check
-        return
+        return found
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     mask = torch.ones(1, 2, dtype=torch.long, device=device)
     try:
@@ -41,18 +57,17 @@ def check_wrapped(model) -> None:
             cache = read_pass(model.weights, model.text_config, model.layer_kinds, ids, mask, weights, "bidirectional")
             if weights == "bidir":  # what reaches any cached tensor (the last attention layer's K/V reach all)
                 held = [t for i in range(model.num_layers) for t in kv.layer_tensors(cache, i)]
-                model.weights.freeze_unreached("bidir", sum(t.float().sum() for t in held))
+                found.unreached = model.weights.unreached("bidir", sum(t.float().sum() for t in held))
         with evaluating(model):
             _check_passes(model, device)
-            _check_fast_paths(model, device)
+            found.problems = _fast_path_problems(model, device)
     except UnsupportedModelError:
         raise
     except Exception as e:  # noqa: BLE001 - a prompt pass this model cannot run: refused, not a crash later
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise refuse(base, f"a prompt pass (a forward over a transformers cache with a 4D mask and "
                            f"position ids) fails: {type(e).__name__}: {first}") from e
-    if model.support.note:
-        logging.getLogger("bitune").warning("%s: %s", type(base).__name__, model.support.note)
+    return found
 
 def _check_passes(model, device) -> None:
     """Refuse the model if its prompt passes do not obey their masks (:func:`bitune.support.passes_obey_masks`)."""
@@ -69,37 +84,24 @@ def _check_passes(model, device) -> None:
     if (problem := passes_obey_masks(first_keys, ids, vocab)) is not None:
         raise refuse(model.weights.base, problem)
 
-def _check_fast_paths(model, device) -> None:
-    """Run a tiny padded batch through every path this model would take and keep only the fast paths that
-    agree with the passes read one at a time (:class:`bitune.support.Support`)."""
+def _fast_path_problems(model, device) -> dict[str, str]:
+    """Run a tiny padded batch through every fast path this model could take (:meth:`BituneModel.using` each) and
+    say what is wrong with those that disagree with the passes read one at a time."""
     p_ids, p_mask, a_ids, a_mask = probe_batch(model, device)
-    chosen = model._prompt_passes
 
     def logits(path: str) -> torch.Tensor:
-        model._prompt_passes = path
-        if path == "fused":
-            return fused_logits(model.weights, model.mixer, model.config.passes, model.text_config, p_ids, p_mask,
-                                a_ids, a_mask)
-        return model.answer_logits(model.prefill(p_ids, p_mask), a_ids, a_mask)
+        with model.using(path):
+            if path == "fused":
+                return fused_logits(model.weights, model.mixer, model.config.passes, model.text_config, p_ids, p_mask,
+                                    a_ids, a_mask)
+            return model.answer_logits(model.prefill(p_ids, p_mask), a_ids, a_mask)
 
-    try:
-        plain = logits("sequential")
-        names = [w for w, _ in model.config.passes]
-        if model.weights.can_route(names) and len(names) == 2:
-            problem = _disagrees(logits, "batched", plain)
-            if problem:
-                model.weights.route_ok = False
-                model.support.note = f"the prompt passes batched as one forward {problem}"
-        if model.support.fused and model.weights.can_route(names + ["causal"]):
-            problem = _disagrees(logits, "fused", plain)
-            if problem:
-                model.support.fused = False
-                model.support.note = f"the fused forward {problem}"
-        if model.support.note:
-            model.support.note += "; it runs the prompt passes " + (
-                "batched" if model.prefill_path() == "batched" else "one by one")
-    finally:
-        model._prompt_passes = chosen
+    plain = logits("sequential")
+    names = [w for w, _ in model.config.passes]
+    paths = {"batched": model.weights.can_route(names) and len(names) == 2,
+             "fused": model.layer_kinds.allows("fused") is None and model.weights.can_route(names + ["causal"])}
+    problems = {path: _disagrees(logits, path, plain) for path, checked in paths.items() if checked}
+    return {path: problem for path, problem in problems.items() if problem}
 
 def probe_batch(model, device) -> tuple[torch.Tensor, ...]:
     """Two prompts (row 0 left-padded) and answers of random ids: what wrap and merge check paths with."""
@@ -124,23 +126,16 @@ def _disagrees(logits: Callable[[str], torch.Tensor], path: str, plain: torch.Te
         return f"fails ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
 
 
-def checked_merge(model, bidir_copy: bool = False) -> None:
-    """Merge ``model``'s causal set (:meth:`bitune.adapters.WeightSets.merge`), checked on a tiny padded batch:
-    where the merged weights do not give the unmerged logits (PEFT's merge of some fused expert layouts is inexact:
-    LongCat-Flash), the merge is undone and the model stays unmerged, at the unmerged model's speed and with its
-    numbers, and says so (``support.note``, a logged warning)."""
-    if model.merged or not model.weights.peft or next(model.parameters()).device.type == "meta":
-        model.weights.merge(bidir_copy)
-        return
-    batch = probe_batch(model, next(model.parameters()).device)
+def probe_logits(model) -> torch.Tensor:
+    """(2, 2, V) answer logits of ``model`` as it stands (its prefill path, eval mode, no gradients) on
+    :func:`probe_batch`: what :meth:`BituneModel.merge` compares before and after merging."""
+    p_ids, p_mask, a_ids, a_mask = probe_batch(model, next(model.parameters()).device)
     with evaluating(model):
-        before = model.answer_logits(model.prefill(*batch[:2]), *batch[2:])
-        model.weights.merge(bidir_copy)
-        after = model.answer_logits(model.prefill(*batch[:2]), *batch[2:])
-    if not agree(after, before):
-        model.weights.unmerge()
-        diff = (after.float() - before.float()).abs().max().item()
-        model.support.merge = False
-        model.support.note = (f"merge() declined: PEFT's merge of this model's adapted layers moves its logits by "
-                              f"{diff:.2g}; it runs unmerged")
-        logging.getLogger("bitune").warning("%s: %s", type(model.weights.base).__name__, model.support.note)
+        return model.answer_logits(model.prefill(p_ids, p_mask), a_ids, a_mask)
+
+def moved(after: torch.Tensor, before: torch.Tensor) -> float | None:
+    """How far ``after`` moved from ``before`` (the largest absolute difference) where the two do not agree to the
+    rounding of their dtype (:func:`bitune.support.agree`); None where they agree."""
+    if agree(after, before):
+        return None
+    return (after.float() - before.float()).abs().max().item()
