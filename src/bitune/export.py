@@ -52,7 +52,7 @@ def export_merged(model, directory: str | os.PathLike, tokenizer=None, keep: tup
     was_merged = model.merged
     model.merge()
     try:
-        if not model.merged:  # the merge checked itself and was undone (bitune.probe.checked_merge)
+        if not model.merged:  # the merge checked itself and was undone (BituneModel.merge)
             reason = (model.support.note or "the merged weights do not give the model's logits").removeprefix(
                 "merge() declined: ")
             raise BituneError(f"this model's causal weights cannot be merged: {reason}. There is no merged model "
