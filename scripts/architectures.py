@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "supported-models.json"
 PAGE = ROOT / "docs" / "supported-models.md"
 BF16 = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "qwen3_5_text", "nemotron_h",
-        "lfm2")
+        "lfm2", "llama4_text", "bloom")
 """Types also checked in bfloat16 (what GPU users train in), with bfloat16's tolerances."""
 TIMEOUT_S = 300
 """Seconds a process may take (a chunk, or one type re-run alone)."""

@@ -114,12 +114,12 @@ def test_hybrid_architectures_pass_every_check(model_type):
 
 
 def test_the_state_check_fails_when_recurrent_layers_get_the_4d_mask(monkeypatch):
-    """Recurrent layers zero padded positions only when given the 2D padding mask; handed the pass's 4D mask, a
+    """Recurrent layers zero padded positions only when given the 2D padding mask; handed the pass's 4D mask alone
+    (one mask for the whole model, as before layer kinds: the model passes its linear layers no padding mask), a
     left-padded row's state takes in its padding: check_states sees it differ from the prompt alone."""
-    from dataclasses import replace
-
-    from bitune import kinds
-    monkeypatch.setitem(kinds.KINDS, "recurrent", replace(kinds.KINDS["recurrent"], mask="attention"))
+    from bitune import masks
+    one_mask = masks.per_layer_type
+    monkeypatch.setattr(masks, "per_layer_type", lambda build, config, layers=None, padding=None: one_mask(build, config))
     problem = A.check_states("qwen3_5_text", "sdpa", torch.float32)
     assert problem is not None and "alone" in problem
 

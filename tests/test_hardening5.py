@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config
+from transformers import AutoModelForCausalLM, BloomConfig, Gemma2Config, OpenAIGPTConfig
 
 from bitune import BituneConfig, BituneModel
 from bitune.cli import VERBS, main
@@ -34,6 +34,7 @@ EAGER_ONLY = {  # model types that implement no sdpa attention: transformers' ow
                                    eos_token_id=1, bos_token_id=2),
     "bloom": lambda: BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, pad_token_id=0, eos_token_id=1,
                                  bos_token_id=2),
+    "openai-gpt": lambda: OpenAIGPTConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4),
 }
 
 
@@ -48,20 +49,23 @@ def eager_only(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------- A. eager-only models from the CLI
-def test_an_eager_only_model_the_page_lists_as_pass_runs_from_the_cli(eager_only, capsys):
-    """gemma2 implements no sdpa: the CLI loaded it with sdpa and refused it as 'not a local folder with safetensors
-    weights'; it loads with eager, as transformers' own default does, and the passes build eager masks for it."""
-    assert main(["generate", "--model", str(eager_only / "gemma2"), "--prompt", "ab", "--template", "none",
+@pytest.mark.parametrize("name", ["gemma2", "bloom"])
+def test_an_eager_only_model_the_page_lists_as_pass_runs_from_the_cli(eager_only, capsys, name):
+    """gemma2 and bloom implement no sdpa: the CLI loaded them with sdpa and refused them as 'not a local folder with
+    safetensors weights'; they load with eager, as transformers' own default does, and the passes build eager masks
+    for them (bloom's ALiBi made symmetric at wrap)."""
+    assert main(["generate", "--model", str(eager_only / name), "--prompt", "ab", "--template", "none",
                  "--max-new-tokens", "2"]) == 0, capsys.readouterr().err
 
 
 def test_an_eager_only_refused_model_shows_its_real_reason(eager_only, tmp_path, capsys):
-    """bloom (ALiBi) is refused by Bitune's wrap checks: that reason, not a loading error, is what the user reads."""
+    """openai-gpt (GPT-1: its attention cannot take a prompt pass's 4D mask) is refused by Bitune's wrap checks:
+    that reason, not a loading error, is what the user reads."""
     out = tmp_path / "run"
-    assert main(["train", "--set", f"model={eager_only / 'bloom'}", "--set", "steps=1", "--set", "max_length=64",
+    assert main(["train", "--set", f"model={eager_only / 'openai-gpt'}", "--set", "steps=1", "--set", "max_length=64",
                  "--set", f"output_dir={out}"]) == 2
     line = one_error_line(capsys, "train")
-    assert "BloomForCausalLM (bloom) is not supported by Bitune: ALiBi" in line, line
+    assert "OpenAIGPTLMHeadModel (openai-gpt) is not supported by Bitune: a prompt pass" in line, line
     assert not out.exists()
 
 

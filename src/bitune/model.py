@@ -34,7 +34,7 @@ from torch import nn
 from . import cache as kv
 from . import checkpoint, decoding, probe, recompute
 from .adapters import WeightSets
-from .attention import open_own_masks
+from .attention import open_own_masks, symmetric_alibi
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
@@ -72,7 +72,9 @@ class BituneModel(nn.Module):
         self.config = config
         self.prompt_passes = prompt_passes
         flags = {name: p.requires_grad for name, p in model.named_parameters()}
-        restore = open_own_masks(model) if not config.single_pass else (lambda: None)
+        # the passes' masks decide what a layer reads (GPT-Neo's own buffers opened; ALiBi symmetric where a 4D
+        # mask is given, which a baseline's prompt read gives too)
+        restore = open_own_masks(model) if not config.single_pass else symmetric_alibi(model)
         try:
             self._build(model, config)
         except UnsupportedModelError:  # a refusal leaves the caller's model as it was given
