@@ -134,6 +134,26 @@ def test_the_bidirectional_indexer_selects_later_keys():
     assert later == [False, True]  # the causal pass, then the bidirectional one
 
 
+def test_a_conversation_on_indexed_layers_extends_their_indexer_keys():
+    """Chat's alternating mode reads a new turn on top of the conversation's cache: at share 0 the answer is the
+    plain causal continuation of the whole history, which needs every layer's indexer keys extended by both passes
+    (a pass stopped after the last layer's keys, before its indexer keys, fails here)."""
+    model = _dsa()
+    with torch.no_grad():
+        for theta in model.mixer.parameters():
+            theta.zero_()
+    g = torch.Generator().manual_seed(0)
+    p1, p2 = torch.randint(3, A.VOCAB, (1, 6), generator=g), torch.randint(3, A.VOCAB, (1, 4), generator=g)
+    opts = dict(max_new_tokens=4, eos_token_id=None, pad_token_id=A.PAD, return_state=True)
+    with torch.no_grad():
+        new1, state = model.generate(p1, torch.ones_like(p1), **opts)
+        new2, _ = model.generate(p2, torch.ones_like(p2), past=state, **opts)
+        ids = torch.cat([p1, new1, p2], 1)
+        for _ in range(4):  # greedy, a plain causal forward of the causal weights over everything so far
+            ids = torch.cat([ids, model.weights.call("causal", input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(new2, ids[:, -4:])
+
+
 # ---------------------------------------------------------------------------------------------------- refusals
 def test_a_cache_of_its_own_layout_is_refused_in_one_line():
     """Dory keeps copies of its recurrent layers' cache per loop (more cache layers than decoder layers): refused,

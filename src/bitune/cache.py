@@ -399,7 +399,7 @@ def extendable_copy(cache, config, rows: torch.Tensor, stop_after: tuple[int, fr
     out = select_rows(cache, rows)
     if not isinstance(out, PromptCache):
         out.__class__ = PromptCache  # same state, plus the early stop
-        out._written = set()
+    out._written = set()  # its own: a shallow copy would share the history's (a layer writing two things stops early)
     out.stop_after = stop_after
     return out
 

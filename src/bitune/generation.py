@@ -19,7 +19,7 @@ from .data.collate import pad_id, pad_rows
 from .data.conversations import end_of_turn_id
 from .data.templates import instruction_example
 from .errors import BituneError
-from .inputs import check_prompt_length, context_room
+from .inputs import check_prompt_length, context_room, max_positions
 
 
 # --------------------------------------------------------------------------------------------------- prompts
@@ -225,7 +225,7 @@ def answer_room(model, prompt_tokens: int, max_new_tokens: int, what: str = "the
     """:func:`max_new_tokens_for`, with one line on stderr when the answer is capped."""
     room = max_new_tokens_for(model, prompt_tokens, max_new_tokens, what)
     if room < max_new_tokens:
-        limit = model.text_config.max_position_embeddings
+        limit = max_positions(model.text_config)
         print(f"bitune: {what} has {prompt_tokens} tokens: its answer is capped at {room} new tokens (the model's "
               f"maximum position is {limit})", file=sys.stderr)
     return room

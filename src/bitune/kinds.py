@@ -134,6 +134,8 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
               "and values mixed", sequence=("keys", "values", "indexer_keys"), types=("indexed_attention",),
               mix=(("keys", "k"), ("values", "v"), ("indexer_keys", "k")),
               off=(("fused", "the fused forward's cache keeps no indexer keys"),
+                   ("packed", "its indexer ranks keys under the forward's own mask, not in packed scoring's block "
+                              "layout"),
                    ("compiled", "the slot cache keeps no indexer keys"))),
     LayerKind("relative_attention", "attention with learnt relative-position logits and short convolutions on its "
               "keys and values (Inkling)", types=("hybrid_sliding",),

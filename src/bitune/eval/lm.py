@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from ..data.collate import pad_id, pad_rows
 from ..errors import BituneError
+from ..inputs import max_positions
 from ..loading import load_bitune
 from ..model import BituneModel
 from ..outputs import token_logprobs
@@ -50,6 +51,10 @@ from ..scoring import score_continuations
 Request = tuple[tuple[str, str], list[int], list[int]]
 
 
+DEFAULT_MAX_LENGTH = 2048
+"""``max_length`` for a model whose config names no maximum position (lm-eval's own default for ``hf``)."""
+
+
 @register_model("bitune")
 class BituneLM(TemplateLM):
     """lm-eval model type ``bitune``.
@@ -57,8 +62,8 @@ class BituneLM(TemplateLM):
     model_args: ``checkpoint=DIR`` (a Bitune checkpoint, any variant) or ``pretrained=NAME`` (a base model run as
     the ``pretrained`` variant); optional ``base=NAME``, ``batch_size`` (rows per forward, default 8),
     ``device`` (default cuda if available, else cpu), ``dtype`` (default float32), ``max_length`` (default: the model's
-    ``max_position_embeddings``), ``max_gen_toks`` (default 256), ``prompt_passes`` (default auto). In Python, pass
-    ``model=`` (a BituneModel) and ``tokenizer=`` instead.
+    ``max_position_embeddings``, or :data:`DEFAULT_MAX_LENGTH` where it names none), ``max_gen_toks`` (default
+    256), ``prompt_passes`` (default auto). In Python, pass ``model=`` (a BituneModel) and ``tokenizer=`` instead.
     """
 
     def __init__(self, checkpoint: str | None = None, pretrained: str | None = None, base: str | None = None,
@@ -79,9 +84,9 @@ class BituneLM(TemplateLM):
         self._batch_size = int(batch_size)
         if self._batch_size < 1:
             raise BituneError(f"batch_size must be >= 1, got {batch_size}")
-        positions = model.text_config.max_position_embeddings
-        self._max_length = int(max_length) if max_length else positions
-        if self._max_length > positions:  # scoring or generating past them reads positions the model never saw
+        positions = max_positions(model.text_config)  # None: no limit in the config (ALiBi: Bloom)
+        self._max_length = int(max_length) if max_length else positions or DEFAULT_MAX_LENGTH
+        if positions is not None and self._max_length > positions:  # past them: positions the model never saw
             raise BituneError(f"max_length={self._max_length} exceeds the model's {positions} positions; "
                               f"use max_length <= {positions}")
         self._max_gen_toks = int(max_gen_toks)
