@@ -214,10 +214,12 @@ def render(data: dict) -> str:
         f"check; {counts['no_tiny']} could not be tested; {counts['out_of_scope']} are not decoder-only text LMs.",
         "",
         "What wrap checks on any model, listed here or not (`bitune.support`): every decoder layer is of a kind "
-        "Bitune implements (`bitune.kinds`: attention, sliding-window attention, recurrent and convolution layers "
-        "whose final states are mixed, attention and SSM side by side, MLP-only blocks; chunked and indexed "
-        "attention, KV sharing and models without any attention layer are refused with the reason), no ALiBi "
-        "biases, the bidirectional pass sees later tokens in every attention layer and the causal pass does not; "
+        "Bitune implements (`bitune.kinds`: full, sliding-window, local (GPT-Neo), chunked (Llama 4), ALiBi "
+        "(Bloom, MPT) and indexed (DSA) attention, recurrent and convolution layers whose final states are mixed, "
+        "attention and SSM side by side, MLP-only blocks; KV sharing, compressed (DeepSeek-V4) and "
+        "relative-logit (Inkling) attention, caches of a layout of their own and models without any attention "
+        "layer are refused with the reason), the bidirectional pass sees later tokens in every attention layer "
+        "and the causal pass does not; "
         "then it keeps only the fast paths (prompt passes batched as one forward, everything fused into one "
         "forward) that the layers allow and that compute what the passes read one by one "
         "compute on this model. The *path* column is what wrap picked: training forward / prompt reading.",

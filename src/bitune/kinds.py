@@ -141,6 +141,10 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
               "keys and values (Inkling)", types=("hybrid_sliding",),
               refused="its relative-position logits are learnt for backward distances only (zero for later tokens), "
                       "so a bidirectional pass would read later tokens without position information: not defined yet"),
+    LayerKind("compressed_attention", "attention over keys compressed block by block, with or without a sparse "
+              "selection (DeepSeek-V4)", types=("compressed_sparse_attention", "heavily_compressed_attention"),
+              refused="its keys are compressed block by block: how a bidirectional pass compresses later tokens, "
+                      "and which pass's compressed blocks the answer reads, is not defined yet"),
     LayerKind("shared_kv", "a layer that reuses an earlier layer's keys and values (Gemma 3n's KV sharing)",
               mask="attention", sequence=(), mix=(),
               refused="its last layers reuse earlier layers' keys and values (KV sharing): which pass's keys a "
@@ -164,6 +168,8 @@ LAYER_TYPES: dict[str, str] = {
     "chunked_attention": "chunked_attention",
     "indexed_attention": "indexed_attention",
     "hybrid_sliding": "relative_attention",
+    "compressed_sparse_attention": "compressed_attention",
+    "heavily_compressed_attention": "compressed_attention",
 }
 """``config.layer_types`` entries that decide the kind whatever cache layer they use (chunked layers use a
 sliding-window cache layer)."""
@@ -208,7 +214,7 @@ class Layers:
         """None if every layer allows ``path``, else why not (the first layer that rules it out)."""
         for i, kind in enumerate(self.kinds):
             if not kind.allows(path):
-                return f"layer {i} is a {kind.name} layer: {dict(kind.off)[path]}"
+                return f"layer {i} is of kind {kind.name}: {dict(kind.off)[path]}"
         return None
 
     @property
@@ -274,7 +280,7 @@ def layer_kinds(cache, text_config) -> tuple[Layers | None, str | None]:
         if "keys" in kind.sequence and getattr(text_config, "model_type", None) in BIASED:
             kind = KINDS[BIASED[text_config.model_type]]
         if kind.refused:
-            return None, f"decoder layer {i} is a {kind.name} layer: {kind.refused}"
+            return None, f"decoder layer {i} is of kind {kind.name}: {kind.refused}"
         kinds.append(kind)
     if getattr(text_config, "model_type", None) in SCANS_FROM_ZERO:
         return None, SCANS_FROM_ZERO[text_config.model_type]
