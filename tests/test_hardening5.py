@@ -278,11 +278,13 @@ def test_the_supported_models_page_finds_a_model_by_its_name_and_says_what_to_do
     """Keyed by model_type without saying where a user finds theirs; no Hub names to search for; no 'if your model
     is refused'; the llama4 row named Llama4ForCausalLM but said 'a multimodal wrapper'."""
     script = load_script("architectures")
-    page = script.render(json.loads((Path(script.ROOT) / "docs" / "supported-models.json").read_text()))
+    matrix = json.loads((Path(script.ROOT) / "docs" / "supported-models.json").read_text())
+    page = script.render(matrix)
     assert "`model_type` in its `config.json`" in page
     assert "Qwen3.5" in _page_row(page, "qwen3_5_text") and "Llama 3" in _page_row(page, "llama")
     llama4 = _page_row(page, "llama4")
-    assert "Llama4ForCausalLM" in llama4 and "wrapper" not in llama4 and "`llama4_text` (refused)" in llama4
+    status = matrix["float32"]["llama4_text"]["status"]  # the text model's own row's status, pointed to
+    assert "Llama4ForCausalLM" in llama4 and "wrapper" not in llama4 and f"`llama4_text` ({status})" in llama4
     refused = page[page.index("## If your model is refused"):]
     assert "--config methods/lora" in refused and "contributing.md" in refused
 
