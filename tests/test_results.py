@@ -255,30 +255,42 @@ def _clipping(folder: Path) -> str:
 
 
 def test_clipping_counts_clipped_steps_and_the_mixers_share(tmp_path):
-    """scripts/study_clipping.py counts the logged steps whose norm before clipping exceeds max_grad_norm (the
-    end-of-training summary not counted again), the mixer's share of the squared norm, a layer's lowest share and its
-    largest move from the start share on; a run still training is left out."""
-    def run(name, norms, mixer=None, a_k=None, finished=True):
+    """scripts/study_clipping.py counts the logged steps whose clipped norm (the global one, or the adapters' alone
+    under ``clip: adapters``) exceeds max_grad_norm (the end-of-training summary not counted again), the factor the
+    adapters were scaled by, each group's median norm, the mixer's share of the squared norm, a layer's lowest share
+    and its largest move from the start share on; a run still training is left out."""
+    def run(name, norms, mixer=None, a_k=None, finished=True, clip="all", adapters=None):
         (tmp_path / name).mkdir()
-        settings = {"lr": 1e-3, "max_grad_norm": 1.0, "bitune": {"init_share": 0.5}}
+        settings = {"lr": 1e-3, "max_grad_norm": 1.0, "clip": clip, "bitune": {"init_share": 0.5}}
         (tmp_path / name / "settings.yaml").write_text(yaml.safe_dump(settings))
         records = []
         for i, norm in enumerate(norms):
             record = {"step": 5 * (i + 1), "loss": 1.0, "grad_norm": norm}
             if mixer:
                 record |= {"grad_norm_mixer": mixer[i], "a_k": a_k[i], "a_v": [0.5, 0.5]}
+            if adapters:
+                record["grad_norm_adapters"] = adapters[i]
             records.append(record)
         if finished:
             records.append({**records[-1], "train_runtime": 1.0})
         (tmp_path / name / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records))
 
-    run("bitune-1", [2.0, 0.5, 3.0], mixer=[1.6, 0.3, 3.0], a_k=[[0.4, 0.1], [0.4, 0.0], [0.9, 0.0]])
+    a_k = [[0.4, 0.1], [0.4, 0.0], [0.9, 0.0]]
+    run("bitune-1", [2.0, 0.5, 3.0], mixer=[1.6, 0.3, 3.0], a_k=a_k, adapters=[1.2, 0.4, 0.1])
+    run("bitune_clip-1", [2.0, 0.5, 3.0], mixer=[1.6, 0.3, 3.0], a_k=a_k, adapters=[1.25, 0.4, 0.1], clip="adapters")
     run("lora-1", [2.0, 0.5, 0.9])
     run("lora-2", [2.0], finished=False)
     out = _clipping(tmp_path)
-    assert "bitune (lr 0.001, 1 runs): clipped at 2/3 logged steps; mixer's share of the squared norm: median " \
-           "0.64, lowest 0.36; a layer's lowest share 0.00; a layer's largest move between logged steps 0.50" in out
-    assert "lora (lr 0.001, 1 runs): clipped at 1/3 logged steps" in out
+    # all clipped: the global norms 2.0 and 3.0 exceed 1.0, scaling the adapters by 0.5, 1 and 1/3
+    assert "bitune (lr 0.001, clip all, 1 runs): clipped at 2/3 logged steps; the adapters' gradient scaled by " \
+           "median 0.50, lowest 0.33; median norm before clipping: adapters 0.40, mixer 1.60; mixer's share of the " \
+           "squared norm: median 0.64, lowest 0.36; a layer's lowest share 0.00; a layer's largest move between " \
+           "logged steps 0.50" in out
+    # adapters clipped alone: only 1.25 exceeds 1.0 (scaled by 0.8); the mixer's norms do not count
+    assert "bitune_clip (lr 0.001, clip adapters, 1 runs): clipped at 1/3 logged steps; the adapters' gradient " \
+           "scaled by median 1.00, lowest 0.80" in out
+    assert "lora (lr 0.001, clip all, 1 runs): clipped at 1/3 logged steps; the adapters' gradient scaled by median " \
+           "1.00, lowest 0.50; median norm before clipping: adapters 0.90" in out
     assert "lora-2: has not finished training, left out" in out
 
 
