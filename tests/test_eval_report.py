@@ -62,6 +62,26 @@ def test_report_cli_writes_markdown_and_csv(tmp_path):
     assert float(rows[0]["avg_std"]) == pytest.approx(100 * math.sqrt(2 * 0.015 ** 2), abs=1e-4)
 
 
+def test_a_study_reads_the_runs_it_links_from_an_earlier_study_once_each(tmp_path):
+    """A study compared with an earlier one links the earlier runs into its folder (they keep their commit and
+    batch digests): the report reads them through the links; a link back up, or a second link to a run, adds
+    nothing twice."""
+    earlier = tmp_path / "part4" / "lora-42"
+    earlier.mkdir(parents=True)
+    (earlier / "eval.json").write_text(json.dumps(record("lora", 42, 0.70, 0.30)))
+    study = tmp_path / "part5" / "runs"
+    (study / "recipe-42").mkdir(parents=True)
+    (study / "recipe-42" / "eval.json").write_text(json.dumps(record("recipe", 42, 0.74, 0.36)))
+    (study / "lora-42").symlink_to(earlier, target_is_directory=True)
+    (study / "again").symlink_to(earlier, target_is_directory=True)
+    (study / "up").symlink_to(study, target_is_directory=True)
+    out = tmp_path / "out"
+    assert main(["report", str(study), "--output", str(out), "--no-figure"]) == 0
+    rows = {r["method"]: r for r in csv.DictReader(io.StringIO((out / "report.csv").read_text()))}
+    assert set(rows) == {"lora", "recipe"} and float(rows["lora"]["piqa_mean"]) == pytest.approx(70.0)
+    assert "2 runs" in (out / "report.md").read_text()
+
+
 def test_report_cli_fails_cleanly_without_results(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "no eval results" in capsys.readouterr().err

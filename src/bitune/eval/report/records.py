@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,9 @@ def task_title(task: str) -> str:
     """The name a report gives a task (``ARC-C`` for ``arc_challenge``; an unknown task by its own name)."""
     return TASK_TITLES.get(task, task)
 def results_below(folder: Path) -> list[Path]:
-    """Every ``eval.json`` below ``folder`` (sorted per searched folder), or, where it holds a ``report.yaml``
-    whose ``runs`` names its report's folders, below those only; none found is an empty list.
+    """Every ``eval.json`` below ``folder`` (sorted per searched folder; linked folders followed), or, where it
+    holds a ``report.yaml`` whose ``runs`` names its report's folders, below those only; none found is an empty
+    list.
 
     Raises:
         BituneError: ``runs`` names a folder that does not exist (its methods would be missing from the report
@@ -39,7 +41,24 @@ def results_below(folder: Path) -> list[Path]:
         raise BituneError(f"{folder / SETTINGS_FILE}: runs names {missing[0]!r}, but {folder / missing[0]} is not a "
                           "folder; make it, or take it out of runs")
     searched = [folder] if runs is None else [folder / run for run in runs]
-    return [f for d in searched for f in sorted(d.rglob(RESULT_FILE))]
+    return [f for d in searched for f in sorted(_eval_files(d))]
+
+
+def _eval_files(folder: Path) -> list[Path]:
+    """Every ``eval.json`` below ``folder``, through linked folders too (a study may link the runs of an earlier
+    study it is compared with: they keep their own commit and batch digests), each real folder read once."""
+    seen: set[str] = set()
+    found = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up, or two links to one run
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()  # the first link to a run, by name, is the one read
+        if RESULT_FILE in files:
+            found.append(Path(root) / RESULT_FILE)
+    return found
 
 
 def find_results(paths: list[str]) -> list[Path]:
