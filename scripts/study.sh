@@ -228,6 +228,7 @@ part5() {
   pin_tree "$out"
   local conf="configs/study/part4" c5="configs/study/part5" py=".venv/bin/python"
   local tasks=${TASKS5:-csqa arc_easy}
+  for task in $tasks; do mkdir -p "$out/$task"; done  # every task's folder first: the report's runs name them
   for task in $tasks; do
     local dir="$out/$task" tdir="$out/tuning/$task" lr
     mkdir -p "$dir" "$tdir"
@@ -246,8 +247,28 @@ part5() {
       sweep_each --config "$conf/$task.yaml" --set "lr=$lr" --seeds "$seed" --tasks "$task" --output-dir "$dir" \
         -- "$c5/bitune_recipe.yaml"
     done
+    # Part 4's runs it is compared with, linked (relative links: they keep their commit and batch digests, and the
+    # report reads them through the links; bitune report follows linked folders)
+    local part4=${OUT4:-results/qwen2.5-arc-easy-csqa}
+    [ -d "$part4/$task/pretrained" ] && ln -sfn "../../$(basename "$part4")/$task/pretrained" "$dir/pretrained"
+    for seed in $SEEDS; do
+      for m in lora bitune lora_compute; do
+        [ -d "$part4/$task/$m-$seed" ] && ln -sfn "../../$(basename "$part4")/$task/$m-$seed" "$dir/$m-$seed"
+      done
+    done
+    # The report's settings, once a task's compared runs all exist (before, a report of a tuning folder would find
+    # methods it names in no run of the study)
+    [ -f "$out/report.yaml" ] || cat > "$out/report.yaml" <<'YAML'
+# How 'bitune report' orders study part 5's methods and which pairs it compares (bitune.eval.report.settings).
+# Part 4's pretrained, lora, bitune and lora_compute runs are linked into arc_easy/ and csqa/ by scripts/study.sh.
+methods: [pretrained, lora, lora_compute, bitune, bitune_recipe]  # rows in this order
+fair_baselines: [lora_compute]  # the paper's arm is paired with LoRA at its compute, as in part 4
+pairs: [[bitune_recipe, lora], [bitune_recipe, lora_compute], [bitune_recipe, bitune]]  # the new arm against each
+runs: [arc_easy, csqa]  # the reported split's runs only (tuning/ holds another split's)
+YAML
   done
   unset PYTHONPATH
+  [ "${TUNING5_ONLY:-0}" = 1 ] || report "$out"
 }
 
 if [ "${PART:-all}" = 3 ]; then
