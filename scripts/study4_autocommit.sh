@@ -2,7 +2,8 @@
 # Commit study part 4's small files as they appear, polling every 60 s, beside `PART=4 ./scripts/study.sh`: each
 # finished run's eval.json, log.jsonl and settings.yaml, the picks the study writes (tuning/<task>/lr,
 # tuning/<task>/bitune_warm.yaml, <task>/lora_compute.yaml), the step-cost benches, and each folder's report
-# regenerated over its finished runs (the tuning split's apart from the reported one's), and a reported task's
+# regenerated over its finished runs (the tuning split's apart from the reported one's; part 5: the links to part
+# 4's runs and the report's settings), and a reported task's
 # training figure and dynamics table (scripts/study_figures.py: training.png, training.md). Weights are never added
 # (.gitignore keeps final/ and checkpoints out). A session that ends loses at most the run in progress.
 cd "$(dirname "$0")/.."
@@ -34,7 +35,13 @@ while true; do
       done
     fi
   done
-  for f in "$OUT"/bench/*.json "$OUT"/bench/*.load "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml; do
+  for f in "$OUT"/*/*; do  # part 5: the earlier study's runs linked in (the links, not what they point to)
+    if [ -L "$f" ] && [ -n "$(git status --porcelain -- "$f")" ]; then
+      git add -- "$f" && git commit -q -m "$LABEL: ${f#results/} linked" --only -- "$f"
+    fi
+  done
+  for f in "$OUT"/bench/*.json "$OUT"/bench/*.load "$OUT"/*/lora_compute.yaml "$OUT"/tuning/*/lr "$OUT"/tuning/*/bitune_warm.yaml \
+      "$OUT"/report.yaml; do
     [ -f "$f" ] || continue
     if [ -n "$(git status --porcelain -- "$f")" ]; then
       git add -- "$f" && git commit -q -m "$LABEL: ${f#results/} written" --only -- "$f"
