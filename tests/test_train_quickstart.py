@@ -9,16 +9,24 @@ import pytest
 from bitune import BituneModel
 
 
-def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
+def _rows(right: dict[str, int]) -> dict[str, dict]:
+    """Quickstart rows of 100 questions where each model answers its first ``right[model]`` correctly, with their
+    statistics (:func:`bitune.commands.quickstart.add_statistics`)."""
     import numpy as np
 
-    from bitune.commands.quickstart import add_statistics, print_table
+    from bitune.commands.quickstart import add_statistics
 
-    correct = {"pretrained": np.r_[np.ones(30), np.zeros(70)], "lora": np.r_[np.ones(40), np.zeros(60)],
-               "bitune": np.r_[np.ones(50), np.zeros(50)]}
+    correct = {v: np.r_[np.ones(k), np.zeros(100 - k)] for v, k in right.items()}
     rows = {v: {"acc": c.mean(), "acc_norm": c.mean(), "n": 100, "train_s": 1.0, "eval_s": 1.0}
             for v, c in correct.items()}
     add_statistics(rows, correct)
+    return rows
+
+
+def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
+    from bitune.commands.quickstart import print_table
+
+    rows = _rows({"pretrained": 30, "lora": 40, "bitune": 50})
     assert "vs_lora" not in rows["lora"]
     assert rows["bitune"]["vs_lora"]["diff"] == pytest.approx(0.10)
     assert (rows["bitune"]["vs_lora"]["only_this_right"], rows["bitune"]["vs_lora"]["only_lora_right"]) == (10, 0)
@@ -33,15 +41,9 @@ def test_quickstart_table_has_intervals_and_paired_differences_to_lora(capsys):
 
 def test_quickstart_table_has_each_trained_models_difference_to_pretrained(capsys):
     """The main job's question: does fine-tuning lift the task? Each trained model against the pretrained one."""
-    import numpy as np
+    from bitune.commands.quickstart import print_table
 
-    from bitune.commands.quickstart import add_statistics, print_table
-
-    correct = {"pretrained": np.r_[np.ones(30), np.zeros(70)], "lora": np.r_[np.ones(42), np.zeros(58)],
-               "bitune": np.r_[np.ones(45), np.zeros(55)]}
-    rows = {v: {"acc": c.mean(), "acc_norm": c.mean(), "n": 100, "train_s": 1.0, "eval_s": 1.0}
-            for v, c in correct.items()}
-    add_statistics(rows, correct)
+    rows = _rows({"pretrained": 30, "lora": 42, "bitune": 45})
     assert "vs_pretrained" not in rows["pretrained"]
     for variant, diff, only in (("lora", 0.12, 12), ("bitune", 0.15, 15)):
         vs = rows[variant]["vs_pretrained"]

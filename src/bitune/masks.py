@@ -118,16 +118,15 @@ def per_layer_type(build, config, layers: Layers | None = None,
     (:attr:`bitune.kinds.LayerKind.mask`): ``build(window)``, a chunked layer's ``build(window, chunk=size)``, the
     padding form ``padding`` ((B, T) 1 for real tokens), ``"none"`` None."""
     if layers is not None and layers.types and not layers.names <= PLAIN:
-        def form(kind):
-            if kind.mask != "attention":
-                return padding if kind.mask == "padding" else None
-            window = getattr(config, kind.window, None) if kind.window else None
-            return build(window, chunk=getattr(config, kind.chunk)) if kind.chunk else build(window)
+        def form(mask: str, window: str | None = None, chunk: str | None = None):
+            if mask != "attention":
+                return padding if mask == "padding" else None
+            size = getattr(config, window, None) if window else None
+            return build(size, chunk=getattr(config, chunk)) if chunk else build(size)
 
-        out = {t: form(k) for t, k in layers.by_type.items()}
+        out = {t: form(k.mask, k.window, k.chunk) for t, k in layers.by_type.items()}
         for k in layers.kinds:
-            out.update({key: padding if mask == "padding" else None if mask == "none" else build(None)
-                        for key, mask in k.masks})
+            out.update({key: form(mask) for key, mask in k.masks})
         return out
     layer_types = set(getattr(config, "layer_types", None) or ())
     if "sliding_attention" in layer_types:
