@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import CONFIG_FILE, read_config
 from .files import apply_umask, replace_dir
-from .hub import recorded_base
+from .hub import load_model, recorded_base
 from .modelcard import CARD_FILE, Training, is_ours
 from .modelcard import write as write_card
 
@@ -190,4 +190,21 @@ def _copy_exactly(params: dict[str, nn.Parameter], state: dict, path: Path) -> N
             p.copy_(state[k])
 
 
-__all__ = ["CONFIG_FILE", "MIXER_FILE", "save", "load_weights", "read_config"]
+
+def base_model(directory, config, base=None, **load_kwargs):
+    """The base model a checkpoint is loaded onto: ``base`` when it is a model instance, else the one it names or,
+    by default, the ``base_model`` the checkpoint's config records (:func:`bitune.hub.load_model` with
+    ``load_kwargs``).
+
+    Raises:
+        ValueError: the checkpoint records no base model and ``base`` is not given.
+    """
+    if base is not None and not isinstance(base, str):
+        return base
+    name = base or config.base_model
+    if not name:
+        raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
+    return load_model(name, **load_kwargs)[0]
+
+
+__all__ = ["base_model", "CONFIG_FILE", "MIXER_FILE", "save", "load_weights", "read_config"]

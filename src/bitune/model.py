@@ -38,7 +38,6 @@ from .attention import open_own_masks, symmetric_alibi
 from .config import PROMPT_PASSES, BituneConfig
 from .errors import BituneError
 from .fused import fused_logits
-from .hub import load_model
 from .inputs import check_answer, check_ids, check_prompt
 from .masks import position_ids
 from .mixer import Mixer
@@ -470,12 +469,7 @@ class BituneModel(nn.Module):
             BituneError: the base model named cannot be loaded (:func:`bitune.hub.load_model`).
         """
         config = checkpoint.read_config(directory)
-        if base is None or isinstance(base, str):
-            name = base or config.base_model
-            if not name:
-                raise ValueError(f"{directory}: the checkpoint does not record its base model; pass base=")
-            base, _ = load_model(name, **load_kwargs)
-        model = cls(base, config, prompt_passes)
+        model = cls(checkpoint.base_model(directory, config, base, **load_kwargs), config, prompt_passes)
         model.load_weights(directory)
         if merge:
             model.merge(bidir_copy=merge == "both")
