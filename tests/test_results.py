@@ -311,3 +311,75 @@ def test_part4_reading_cites_the_clipping_the_logs_show():
                                (csqa, "lora_compute", 90), (csqa, "lora_compute_newdata", 90)):
         low, high = min(map(int, counts(out, method))), max(map(int, counts(out, method)))
         assert f"{low}-{high} of {total} for `{method}`" in reading, method
+
+
+PART5 = RESULTS / "qwen2.5-bitune-recipe"
+PART5_LABELS = ["bitune_clip_lr3e-4", "bitune_clip_lr1e-3", "bitune_clip_lr3e-3"]
+"""Part 5's tuning runs in the order the pick's tie rule reads them (scripts/study.sh PART=5)."""
+
+
+def _own_runs(study: Path) -> list[Path]:
+    """A study's own finished runs (folders holding eval.json), not the earlier study's runs linked into it."""
+    return sorted(p.parent for p in study.glob("**/*-*/eval.json") if not p.parent.is_symlink())
+
+
+def test_study_part5_shares_part4s_commit_and_batches():
+    """Part 5's promise: its runs are trained at part 4's pinned commit, and each (tuning split and reported split
+    alike) draws step for step the batches part 4's runs of the same task and seed drew, so that the new arm is
+    paired with part 4's ``lora``, ``bitune`` and ``lora_compute`` on the same training data."""
+    assert (PART5 / "COMMIT").read_text() == (PART4 / "COMMIT").read_text()
+    part4 = _pinned_runs(PART4, "**/*-*/log.jsonl")
+    own = {str(p) for p in _own_runs(PART5)}
+    part5 = _pinned_runs(PART5, "**/*-*/log.jsonl")
+    checked = 0
+    for (task, seed), methods in part5.items():
+        longest = max(part4[(task, seed)].values(), key=len)  # part 4's runs of it agree (the test above)
+        for method, batches in methods.items():
+            if str(PART5 / f"{method}-{seed}") not in own:
+                continue  # a linked part-4 run
+            assert batches == longest[:len(batches)], f"{task} seed {seed}: part 5's {method} drew other batches"
+            checked += 1
+    assert checked == len(own)
+
+
+def test_study_part5_runs_are_the_arm_it_promises():
+    """Every run of part 5 is Bitune r8 from the paper's start share with the adapters clipped alone; a tuning run
+    was scored on the tuning split at the learning rate its name gives, a reported run on the reported split at the
+    learning rate picked on the tuning split (never a reported-split number)."""
+    from bitune.config import PAPER_INIT_SHARE
+    from bitune.data.datasets import DATASETS
+
+    runs = _own_runs(PART5)
+    if not runs:
+        pytest.skip("part 5 has no finished run yet")
+    for run in runs:
+        settings = yaml.safe_load((run / "settings.yaml").read_text())
+        splits = json.loads((run / "eval.json").read_text())["config"]["splits"]
+        assert (settings["clip"], settings["bitune"]["variant"], settings["bitune"]["rank"]) == ("adapters", "bitune", 8)
+        assert settings["bitune"]["init_share"] == PAPER_INIT_SHARE, run
+        method, _ = run.name.rsplit("-", 1)
+        if run.parent.parent.name == "tuning":
+            task = run.parent.name
+            assert method in PART5_LABELS and settings["lr"] == float(method.removeprefix("bitune_clip_lr")), run
+            assert splits == {task: DATASETS[task].dev_split}
+        else:
+            task = run.parent.name
+            assert method == "bitune_recipe" and splits == {task: DATASETS[task].eval_split}, run
+            assert settings["lr"] == float((PART5 / "tuning" / task / "lr").read_text()), f"{run}: not the picked lr"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent for p in PART5.glob("tuning/*/lr")), ids=lambda p: p.name)
+def test_study_part5_tuning_pick_reproduces_from_the_committed_runs(folder):
+    """Part 5's tuning report reproduces from its eval files, and the learning rate in ``lr`` is the one
+    scripts/study_pick.py picks from the three tuning runs (part 4's rule for LoRA)."""
+    import subprocess
+    import sys
+
+    records = load_records(find_results([str(folder)]))
+    _, markdown, _ = build_markdown(records, settings=find_settings([folder])[0])
+    assert markdown == (folder / "report.md").read_text(encoding="utf-8")
+    assert {p.parent.name.rsplit("-", 1)[0] for p in folder.glob("*/eval.json")} == set(PART5_LABELS)
+    script = RESULTS.parent / "scripts" / "study_pick.py"
+    done = subprocess.run([sys.executable, str(script), str(folder), *PART5_LABELS], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "bitune_clip_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
