@@ -383,3 +383,32 @@ def test_study_part5_tuning_pick_reproduces_from_the_committed_runs(folder):
     done = subprocess.run([sys.executable, str(script), str(folder), *PART5_LABELS], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "bitune_clip_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
+
+
+def _pairs(report: Path) -> dict[tuple[str, str, str], list[str]]:
+    """The paired-differences rows of a study's report.md, by (task, method, baseline): the cells after those
+    three (seed pairs, Δ [CI], two-level, seed-aware, sign-flip p, Δ per seed, McNemar, seed-aware p, Holm p)."""
+    rows = {}
+    for line in report.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 13 and cells[4].isdigit():
+            rows[(cells[0], cells[2], cells[3])] = cells[4:]
+    return rows
+
+
+@pytest.mark.study
+def test_part5_reading_cites_its_report():
+    """Part 5's reading quotes, for each comparison of the new arm on each task it reads, the report's difference,
+    seed-aware interval, per-seed differences and Holm p (what decides), so that a regenerated report that moves
+    them shows up here."""
+    reading = " ".join((PART5 / "README.md").read_text(encoding="utf-8").split("## Report (")[0].split())
+    rows = _pairs(PART5 / "report.md")
+    tasks = {task for task, method, _ in rows if method == "bitune_recipe"}
+    if not tasks:
+        pytest.skip("part 5's report has no reported-split run of the new arm yet")
+    for task in tasks:
+        for baseline in ("lora", "bitune", "lora_compute"):
+            _, delta, _, seed_aware, _, per_seed, _, _, holm = rows[(task, "bitune_recipe", baseline)]
+            seeds = ", ".join(part.split(": ")[1] for part in per_seed.split("; "))
+            assert f"{delta.split(' [')[0]}" in reading and seed_aware in reading, (task, baseline)
+            assert f"Holm p {holm}" in reading and f"({seeds})" in reading, (task, baseline, holm, seeds)
