@@ -19,7 +19,7 @@ from pathlib import Path
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
-STUDIES = ("qwen2.5-arc-easy-csqa", "smollm2-csqa-piqa-siqa", "smollm2-arc-csqa", "gemma3-csqa")
+STUDIES = ("qwen2.5-bitune-recipe", "qwen2.5-arc-easy-csqa", "smollm2-csqa-piqa-siqa", "smollm2-arc-csqa", "gemma3-csqa")
 STUDY_FILES = ("report.png", "report.csv")
 """A study's files served as they are, beside its report page."""
 BENCH = "results/bench-cpu"
