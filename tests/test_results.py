@@ -189,22 +189,32 @@ def test_study_part4_runs_come_from_the_pinned_commit_and_share_batches():
 def test_study_part4_tuning_picks_reproduce_from_the_committed_runs(folder):
     """The tuning split's report reproduces from its eval files, every run was scored on the task's tuning split
     (never the reported one), and the learning rate written in ``lr`` is the one ``scripts/study_pick.py`` picks."""
-    import subprocess
-    import sys
-
     from bitune.data.datasets import DATASETS
 
-    records = load_records(find_results([str(folder)]))
-    _, markdown, _ = build_markdown(records, settings=find_settings([folder])[0])
-    assert markdown == (folder / "report.md").read_text(encoding="utf-8")
+    _assert_report_reproduces(folder)
     for path in folder.glob("*/eval.json"):
         assert json.loads(path.read_text())["config"]["splits"] == {folder.name: DATASETS[folder.name].dev_split}
     if (folder / "lr").is_file():
-        labels = ["lora_lr1e-4", "lora_lr3e-4", "lora_lr1e-3", "lora_lr3e-3"]
-        script = RESULTS.parent / "scripts" / "study_pick.py"
-        done = subprocess.run([sys.executable, str(script), str(folder), *labels], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        assert "lora_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
+        _assert_pick(folder, ["lora_lr1e-4", "lora_lr3e-4", "lora_lr1e-3", "lora_lr3e-3"], "lora_lr")
+
+
+def _assert_report_reproduces(folder: Path) -> None:
+    """``bitune report`` on the folder's committed eval files writes exactly its committed report.md."""
+    records = load_records(find_results([str(folder)]))
+    _, markdown, _ = build_markdown(records, settings=find_settings([folder])[0])
+    assert markdown == (folder / "report.md").read_text(encoding="utf-8")
+
+
+def _assert_pick(folder: Path, labels: list[str], prefix: str) -> None:
+    """The learning rate in the folder's ``lr`` file is the one scripts/study_pick.py picks from ``labels`` (each
+    ``prefix`` + a learning rate, in the order its tie rule reads them)."""
+    import subprocess
+    import sys
+
+    script = RESULTS.parent / "scripts" / "study_pick.py"
+    done = subprocess.run([sys.executable, str(script), str(folder), *labels], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert prefix + (folder / "lr").read_text().strip() == done.stdout.strip()
 
 
 def test_study_part4_reported_runs_use_the_tuned_picks():
@@ -357,13 +367,11 @@ def test_study_part5_runs_are_the_arm_it_promises():
         splits = json.loads((run / "eval.json").read_text())["config"]["splits"]
         assert (settings["clip"], settings["bitune"]["variant"], settings["bitune"]["rank"]) == ("adapters", "bitune", 8)
         assert settings["bitune"]["init_share"] == PAPER_INIT_SHARE, run
-        method, _ = run.name.rsplit("-", 1)
+        method, task = run.name.rsplit("-", 1)[0], run.parent.name
         if run.parent.parent.name == "tuning":
-            task = run.parent.name
             assert method in PART5_LABELS and settings["lr"] == float(method.removeprefix("bitune_clip_lr")), run
             assert splits == {task: DATASETS[task].dev_split}
         else:
-            task = run.parent.name
             assert method == "bitune_recipe" and splits == {task: DATASETS[task].eval_split}, run
             assert settings["lr"] == float((PART5 / "tuning" / task / "lr").read_text()), f"{run}: not the picked lr"
 
@@ -372,17 +380,9 @@ def test_study_part5_runs_are_the_arm_it_promises():
 def test_study_part5_tuning_pick_reproduces_from_the_committed_runs(folder):
     """Part 5's tuning report reproduces from its eval files, and the learning rate in ``lr`` is the one
     scripts/study_pick.py picks from the three tuning runs (part 4's rule for LoRA)."""
-    import subprocess
-    import sys
-
-    records = load_records(find_results([str(folder)]))
-    _, markdown, _ = build_markdown(records, settings=find_settings([folder])[0])
-    assert markdown == (folder / "report.md").read_text(encoding="utf-8")
+    _assert_report_reproduces(folder)
     assert {p.parent.name.rsplit("-", 1)[0] for p in folder.glob("*/eval.json")} == set(PART5_LABELS)
-    script = RESULTS.parent / "scripts" / "study_pick.py"
-    done = subprocess.run([sys.executable, str(script), str(folder), *PART5_LABELS], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "bitune_clip_lr" + (folder / "lr").read_text().strip() == done.stdout.strip()
+    _assert_pick(folder, PART5_LABELS, "bitune_clip_lr")
 
 
 def _pairs(report: Path) -> dict[tuple[str, str, str], list[str]]:
@@ -410,5 +410,5 @@ def test_part5_reading_cites_its_report():
         for baseline in ("lora", "bitune", "lora_compute"):
             _, delta, _, seed_aware, _, per_seed, _, _, holm = rows[(task, "bitune_recipe", baseline)]
             seeds = ", ".join(part.split(": ")[1] for part in per_seed.split("; "))
-            assert f"{delta.split(' [')[0]}" in reading and seed_aware in reading, (task, baseline)
+            assert delta.split(" [")[0] in reading and seed_aware in reading, (task, baseline)
             assert f"Holm p {holm}" in reading and f"({seeds})" in reading, (task, baseline, holm, seeds)
